@@ -1,0 +1,234 @@
+"""Qwen3 (dense) for fast decoding: fused projections, a static KV cache, and one forward for prefill and decode."""
+import glob, json, os
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class UserError(Exception):
+    """Bad input: the command-line tools print it as one line instead of a traceback."""
+
+
+@dataclass
+class ModelArgs:
+    hidden_size: int = 1024
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 28
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 8
+    head_dim: int = 128  # its own parameter: 0.6B has hidden 1024 but 16 heads x 128
+    vocab_size: int = 151936
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = False
+    quantization: str | None = None  # "int8": weight-only, per output channel (our converter writes it)
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "ModelArgs":
+        """From a Hugging Face Qwen3 config.json, or from the config.json our converter writes."""
+        arch = (cfg.get("architectures") or ["Qwen3ForCausalLM"])[0]
+        if arch != "Qwen3ForCausalLM":
+            raise UserError(f"architecture {arch} is not supported: only dense Qwen3 (Qwen3ForCausalLM) is")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}  # new style, then old
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise UserError(f"rope type {rope.get('rope_type', rope.get('type'))} is not supported: only default RoPE")
+        if cfg.get("use_sliding_window"):
+            raise UserError("sliding-window attention is not supported: set use_sliding_window to false")
+        args = cls(**{f.name: cfg[f.name] for f in fields(cls) if cfg.get(f.name) is not None})
+        args.rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", args.rope_theta)))
+        if cfg.get("head_dim") is None:
+            args.head_dim = args.hidden_size // args.num_attention_heads
+        return args
+
+    @classmethod
+    def from_name(cls, name: str) -> "ModelArgs":
+        if name not in PRESETS:
+            raise UserError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
+        h, i, n, heads, kv, tied = PRESETS[name]
+        return cls(h, i, n, heads, kv, 16 if name == "tiny" else 128, tie_word_embeddings=tied)
+
+
+PRESETS = {  # hidden, intermediate, layers, heads, kv heads, tied embeddings (from the published config.json files)
+    "tiny": (64, 128, 2, 4, 2, True),
+    "0.6B": (1024, 3072, 28, 16, 8, True),
+    "1.7B": (2048, 6144, 28, 16, 8, True),
+    "4B": (2560, 9728, 36, 32, 8, True),
+    "8B": (4096, 12288, 36, 32, 8, False),
+    "14B": (5120, 17408, 40, 40, 8, False),
+    "32B": (5120, 25600, 64, 64, 8, False),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:  # as transformers: normalise in fp32, cast back, then scale
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class Int8Linear(nn.Module):
+    """y = (x @ int8 weight^T) * per-output-channel scale. The cast sits inside the matmul's expression so that
+    inductor fuses it into the matmul's loads and never writes a full-precision copy of the weight."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scale", torch.empty(out_features))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight.to(x.dtype)) * self.scale
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: w ~= q * scale[:, None]."""
+    scale = w.float().abs().amax(dim=1).clamp(min=1e-8) / 127
+    return (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
+
+
+def linear(args: ModelArgs, n_in: int, n_out: int) -> nn.Module:
+    return Int8Linear(n_in, n_out) if args.quantization == "int8" else nn.Linear(n_in, n_out, bias=False)
+
+
+class StaticKVCache(nn.Module):
+    """Keys and values of one layer at absolute positions, one row per request slot: (slots, kv_heads, capacity,
+    head_dim), zero-filled. A slot not yet written, or left over from a longer earlier request, sits at a position
+    greater than every live query of its row, so the causal rule key_pos <= query_pos hides it: nothing to clear."""
+
+    def __init__(self, slots: int, kv_heads: int, capacity: int, head_dim: int, dtype, device):
+        super().__init__()
+        shape = (slots, kv_heads, capacity, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, rows: slice, positions: Tensor, k: Tensor, v: Tensor, kv_len: int) -> tuple[Tensor, Tensor]:
+        """Writes k, v (R, T, kv_heads, head_dim) at (row, position) pairs; returns the first kv_len positions."""
+        r = torch.arange(positions.shape[0], device=positions.device)[:, None]
+        self.k[rows][r, :, positions] = k
+        self.v[rows][r, :, positions] = v
+        return self.k[rows, :, :kv_len], self.v[rows, :, :kv_len]
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # split-halves layout, as transformers
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+        self.qkv_proj = linear(args, args.hidden_size, (self.n_heads + 2 * self.n_kv) * self.head_dim)
+        self.o_proj = linear(args, self.n_heads * self.head_dim, args.hidden_size)
+        self.q_norm, self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps), RMSNorm(self.head_dim, args.rms_norm_eps)
+        self.kv_cache: StaticKVCache | None = None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, rows: slice, positions: Tensor) -> Tensor:
+        R, T, _ = x.shape
+        q, k, v = self.qkv_proj(x).view(R, T, -1, self.head_dim).split([self.n_heads, self.n_kv, self.n_kv], dim=2)
+        q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
+        keys, values = self.kv_cache.update(rows, positions, k, v, mask.shape[-1])
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(y.transpose(1, 2).reshape(R, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_up_proj = linear(args, args.hidden_size, 2 * args.intermediate_size)
+        self.down_proj = linear(args, args.intermediate_size, args.hidden_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x: Tensor, *attn_args) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), *attn_args)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """Module names follow the Hugging Face checkpoint's, except the fused qkv_proj and gate_up_proj."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def setup_cache(self, slots: int, capacity: int):
+        """Allocates a StaticKVCache per layer and the RoPE table for positions [0, capacity)."""
+        a = self.args
+        if capacity > a.max_position_embeddings:
+            raise UserError(f"cache length {capacity} is over the model's {a.max_position_embeddings} positions")
+        device, dtype = self.norm.weight.device, self.norm.weight.dtype
+        for layer in self.layers:
+            layer.self_attn.kv_cache = StaticKVCache(slots, a.num_key_value_heads, capacity, a.head_dim, dtype, device)
+        # Angles in fp32 on the CPU as transformers computes them (an elementwise product, not a matmul).
+        inv_freq = 1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.float) / a.head_dim))
+        angles = torch.arange(capacity, dtype=torch.float)[:, None] * inv_freq
+        angles = torch.cat((angles, angles), dim=-1)
+        self.register_buffer("rope_cos", angles.cos().to(device), persistent=False)
+        self.register_buffer("rope_sin", angles.sin().to(device), persistent=False)
+        self.register_buffer("key_positions", torch.arange(capacity, device=device), persistent=False)
+
+    def forward(self, tokens: Tensor, positions: Tensor, kv_positions: Tensor, rows: slice = slice(None),
+                last_only: bool = False) -> Tensor:
+        """tokens, positions: (R, T) for cache rows `rows`; kv_positions: the cache prefix to attend over
+        (a slice of key_positions covering every position written so far). Returns logits (R, T or 1, vocab)."""
+        x = self.embed_tokens(tokens)
+        cos = self.rope_cos[positions][:, :, None].to(x.dtype)  # transformers casts the table to the activations'
+        sin = self.rope_sin[positions][:, :, None].to(x.dtype)  # dtype before the rotation
+        mask = (kv_positions <= positions[..., None])[:, None]  # (R, 1, T, kv_len): causal, and hides unwritten slots
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, rows, positions)
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.norm(x))
+
+    @classmethod
+    def from_checkpoint(cls, path: str, device, dtype) -> "Transformer":
+        """Loads a directory written by convert_hf_checkpoint.py, straight to `device` (no second copy)."""
+        from safetensors.torch import load_file
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise UserError(f"no converted checkpoint at {path}: run convert_hf_checkpoint.py --checkpoint-dir ...")
+        with open(os.path.join(path, "config.json")) as f:
+            args = ModelArgs.from_config(json.load(f))
+        with torch.device("meta"):
+            model = cls(args)
+        state = {}
+        for file in sorted(glob.glob(os.path.join(path, "model*.safetensors"))):
+            state.update(load_file(file, device=str(device)))
+        if args.quantization == "int8" and not any(k.endswith(".scale") for k in state):
+            raise UserError(f"{path}: config.json says int8 but the weights have no scales; convert it again")
+        if args.quantization is None and any(k.endswith(".scale") for k in state):
+            raise UserError(f"{path}: the weights are int8 but config.json does not say so; convert it again")
+        state = {k: v if v.dtype == torch.int8 else v.to(dtype) for k, v in state.items()}
+        if args.tie_word_embeddings and "embed_tokens.weight" in state:
+            state["lm_head.weight"] = state["embed_tokens.weight"]
+        try:
+            model.load_state_dict(state, strict=True, assign=True)
+        except RuntimeError as e:
+            raise UserError(f"{path}: weights do not match config.json ({str(e).splitlines()[1].strip()})")
+        if args.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        return model.eval()

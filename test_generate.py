@@ -1,0 +1,547 @@
+"""Tests for qwen3-fast. transformers' Qwen3ForCausalLM is the oracle. CUDA tests skip without a GPU."""
+import inspect, io, json, os, resource, subprocess, sys, textwrap
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import convert_hf_checkpoint as convert
+import generate as G
+from model import ModelArgs, Transformer, UserError, quantize_int8
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+VOCAB = 512
+
+
+def hf_checkpoint(path, *, hidden=64, heads=4, kv_heads=2, head_dim=16, layers=2, tied=False, sharded=False,
+                  old_rope=False, dtype=torch.float32, seed=0, vocab=VOCAB, tokenizer=True):
+    """A random Qwen3 snapshot written by transformers itself (save_pretrained)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    cfg = Qwen3Config(hidden_size=hidden, intermediate_size=2 * hidden + 32, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=vocab,
+                      max_position_embeddings=2048, rope_theta=1e4 if old_rope else 1e6, rms_norm_eps=1e-6,
+                      tie_word_embeddings=tied, eos_token_id=vocab - 1)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # norms start at ones: make them matter
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model = model.to(dtype)
+    model.save_pretrained(path, max_shard_size="60KB" if sharded else "5GB")
+    with open(os.path.join(path, "config.json")) as f:
+        c = json.load(f)
+    if old_rope:  # the layout of configs written before transformers 5: a top-level rope_theta
+        c.pop("rope_parameters", None)
+        c["rope_theta"] = 1e4
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(c, f)
+    if tokenizer:
+        write_tokenizer(path)
+    return model
+
+
+def write_tokenizer(path):
+    """A tiny byte-level BPE tokenizer with Qwen3's chat tokens, built with the tokenizers library."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 8, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(["hello world, the quick brown fox jumps over the lazy dog. " * 20,
+                             "user assistant system think why is the sky blue?"] * 10, trainer)
+    tok.add_tokens(["<think>", "</think>"])
+    tok.save(os.path.join(path, "tokenizer.json"))
+    eos = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"do_sample": True, "eos_token_id": eos, "temperature": 0.6, "top_k": 20, "top_p": 0.95}, f)
+
+
+def converted(tmp_path, **kw):
+    src = str(tmp_path / "hf")
+    hf = hf_checkpoint(src, **kw)
+    convert.convert(src, str(tmp_path / "ours"))
+    return hf, str(tmp_path / "ours")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A converted tiny checkpoint with a tokenizer, shared by the generation tests."""
+    hf, path = converted(tmp_path_factory.mktemp("tiny"), tied=True)
+    return path
+
+
+def load(path, slots=1, capacity=256, dtype=torch.float32, device="cpu"):
+    model = Transformer.from_checkpoint(path, device, dtype)
+    model.setup_cache(slots, capacity)
+    return model
+
+
+def forward(model, tokens, start=0, row=0):
+    """Runs tokens (list) through cache row `row` from position `start`; logits (T, vocab)."""
+    t = torch.tensor([tokens], device=model.norm.weight.device)
+    pos = torch.arange(start, start + len(tokens), device=t.device)[None]
+    with torch.no_grad():
+        return model(t, pos, model.key_positions[:start + len(tokens)], rows=slice(row, row + 1))[0]
+
+
+# ---------------------------------------------------------------- model parity with transformers
+
+PARITY = {  # tied/untied; head_dim != hidden/heads; GQA ratio 1, 2, 4; single-file and sharded; old and new rope
+    "tied-gqa1-hd24-single-newrope": dict(tied=True, heads=4, kv_heads=4, head_dim=24),
+    "untied-gqa2-sharded-oldrope": dict(tied=False, heads=4, kv_heads=2, head_dim=16, sharded=True, old_rope=True),
+    "untied-gqa4-hd32-sharded-newrope": dict(tied=False, heads=8, kv_heads=2, head_dim=32, sharded=True),
+    "tied-gqa2-hd8-single-oldrope-3layers": dict(tied=True, heads=8, kv_heads=4, head_dim=8, old_rope=True, layers=3),
+}
+
+
+@pytest.mark.parametrize("name", PARITY)
+def test_parity_with_transformers_fp32(tmp_path, name):
+    kw = PARITY[name]
+    hf, path = converted(tmp_path, tokenizer=False, **kw)
+    if kw.get("sharded"):
+        assert len([f for f in os.listdir(tmp_path / "hf") if f.endswith(".safetensors")]) > 1
+        assert os.path.exists(tmp_path / "hf" / "model.safetensors.index.json")
+    cfg = json.load(open(tmp_path / "hf" / "config.json"))
+    assert ("rope_theta" in cfg) == bool(kw.get("old_rope"))
+    ours = load(path, capacity=128)
+    assert ours.args.head_dim == kw["head_dim"] and ours.args.tie_word_embeddings == kw["tied"]
+    torch.manual_seed(1)
+    prompt = torch.randint(0, VOCAB, (1, 12))
+    worst = 0.0
+    with torch.no_grad():
+        out = hf(prompt, use_cache=True)
+        got = forward(ours, prompt[0].tolist())
+        worst = max(worst, (out.logits[0] - got).abs().max().item())
+        # transformers 5.x renamed past_key_values to cache
+        cache_kw = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+        seq = prompt[0].tolist()
+        for step in range(40):  # token-by-token decode through our StaticKVCache
+            nxt = int(got[-1].argmax())
+            assert nxt == int(out.logits[0, -1].argmax()), f"greedy token differs at step {step}"
+            out = hf(torch.tensor([[nxt]]), use_cache=True, **{cache_kw: getattr(out, cache_kw)})
+            got = forward(ours, [nxt], start=len(seq))
+            seq.append(nxt)
+            worst = max(worst, (out.logits[0] - got).abs().max().item())
+    print(f"measured: fp32 {name}: max abs logit diff {worst:.3g}")
+    assert worst <= 1e-4, worst
+
+
+def test_parity_with_transformers_bf16(tmp_path):
+    """bf16 against bf16 transformers: both round at the same places, so logits stay within a few bf16 ulps."""
+    hf, path = converted(tmp_path, tokenizer=False, dtype=torch.bfloat16, heads=8, kv_heads=2, head_dim=32)
+    ours = load(path, capacity=128, dtype=torch.bfloat16)
+    torch.manual_seed(2)
+    prompt = torch.randint(0, VOCAB, (1, 24))
+    with torch.no_grad():
+        ref = hf(prompt).logits[0].float()
+        got = forward(ours, prompt[0].tolist()).float()
+    diff = (ref - got).abs().max().item()
+    print(f"measured: bf16 prefill: max abs logit diff {diff:.3g} (logits up to {ref.abs().max().item():.2f})")
+    assert diff <= 2e-2 * max(1.0, ref.abs().max().item()), diff
+    assert (ref.argmax(-1) == got.argmax(-1)).float().mean() >= 0.9
+
+
+def test_config_variants():
+    base = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 1024, "num_attention_heads": 16, "head_dim": 128,
+            "num_key_value_heads": 8, "intermediate_size": 3072, "num_hidden_layers": 28}
+    assert ModelArgs.from_config({**base, "rope_theta": 5e5}).rope_theta == 5e5
+    assert ModelArgs.from_config({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}).rope_theta == 1e6
+    assert ModelArgs.from_config({**base, "head_dim": None}).head_dim == 64
+    assert ModelArgs.from_name("0.6B").head_dim == 128 and ModelArgs.from_name("0.6B").hidden_size == 1024
+    with pytest.raises(UserError, match="Qwen2"):
+        ModelArgs.from_config({**base, "architectures": ["Qwen2ForCausalLM"]})
+    with pytest.raises(UserError, match="yarn"):
+        ModelArgs.from_config({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+# ---------------------------------------------------------------- StaticKVCache
+
+def test_cache_rows_of_different_lengths_do_not_see_each_other(tiny):
+    torch.manual_seed(3)
+    a, b = torch.randint(0, VOCAB, (7,)).tolist(), torch.randint(0, VOCAB, (19,)).tolist()
+    alone = [forward(load(tiny), p) for p in (a, b)]
+    both = load(tiny, slots=2)
+    got = [forward(both, a, row=0), forward(both, b, row=1)]
+    # then one batched decode step, each row at its own position
+    nxt = torch.tensor([[5], [9]])
+    pos = torch.tensor([[len(a)], [len(b)]])
+    with torch.no_grad():
+        step = both(nxt, pos, both.key_positions[:len(b) + 1])
+    for i, (p, t) in enumerate(((a, 5), (b, 9))):
+        assert torch.allclose(got[i], alone[i], atol=1e-5)
+        single = load(tiny)
+        forward(single, p)
+        assert torch.allclose(step[i, -1], forward(single, [t], start=len(p))[-1], atol=1e-5)
+
+
+def test_cache_stale_slots_from_a_longer_request_do_not_leak(tiny):
+    torch.manual_seed(4)
+    long, short = torch.randint(0, VOCAB, (40,)).tolist(), torch.randint(0, VOCAB, (6,)).tolist()
+    reused = load(tiny)
+    forward(reused, long)  # fills positions 0..39
+    got = forward(reused, short)  # a new request in the same row
+    got_next = forward(reused, [3], start=len(short))
+    fresh = load(tiny)
+    assert torch.equal(got, forward(fresh, short))
+    assert torch.equal(got_next, forward(fresh, [3], start=len(short)))
+    assert reused.layers[0].self_attn.kv_cache.k[0, :, 20].abs().sum() > 0  # the stale slots really are there
+
+
+# ---------------------------------------------------------------- converter
+
+def test_convert_output_layout_and_tied_lm_head(tmp_path):
+    hf, path = converted(tmp_path, tied=True)
+    names = set()
+    from safetensors import safe_open
+    for f in os.listdir(path):
+        if f.endswith(".safetensors"):
+            names |= set(safe_open(os.path.join(path, f), "pt").keys())
+    assert "lm_head.weight" not in names and "layers.0.self_attn.qkv_proj.weight" in names
+    assert "layers.1.mlp.gate_up_proj.weight" in names and not any("q_proj" in n for n in names)
+    assert {"config.json", "tokenizer.json", "generation_config.json"} <= set(os.listdir(path))
+    model = load(path)
+    assert model.lm_head.weight is model.embed_tokens.weight
+
+
+def test_convert_memory_stays_bounded(tmp_path):
+    """Peak memory converting a ~650 MB sharded checkpoint stays far below its size (tensors are read one by one)."""
+    src = tmp_path / "big"
+    src.mkdir()
+    args = ModelArgs(hidden_size=512, intermediate_size=2048, num_hidden_layers=40, num_attention_heads=8,
+                     num_key_value_heads=4, head_dim=64, vocab_size=8000, tie_word_embeddings=False)
+    cfg = {"architectures": ["Qwen3ForCausalLM"], **{k: v for k, v in vars(args).items() if k != "quantization"}}
+    json.dump(cfg, open(src / "config.json", "w"))
+    hf_names = {}
+    for i in range(args.num_hidden_layers):
+        p, h, d, kv = f"model.layers.{i}.", args.hidden_size, args.head_dim, args.num_key_value_heads
+        hf_names.update({p + "self_attn.q_proj.weight": (8 * d, h), p + "self_attn.k_proj.weight": (kv * d, h),
+                         p + "self_attn.v_proj.weight": (kv * d, h), p + "self_attn.o_proj.weight": (h, 8 * d),
+                         p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
+                         p + "mlp.gate_proj.weight": (args.intermediate_size, h),
+                         p + "mlp.up_proj.weight": (args.intermediate_size, h),
+                         p + "mlp.down_proj.weight": (h, args.intermediate_size),
+                         p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+    hf_names.update({"model.embed_tokens.weight": (args.vocab_size, args.hidden_size), "model.norm.weight": (512,),
+                     "lm_head.weight": (args.vocab_size, args.hidden_size)})
+    shard, total, n, weight_map = {}, 0, 0, {}
+    for name, shape in hf_names.items():
+        shard[name] = torch.randn(shape)
+        total += shard[name].numel() * 4
+        if sum(t.numel() for t in shard.values()) * 4 > 60e6:
+            save_file(shard, src / f"model-{n}.safetensors")
+            weight_map.update({k: f"model-{n}.safetensors" for k in shard})
+            shard, n = {}, n + 1
+    save_file(shard, src / f"model-{n}.safetensors")
+    weight_map.update({k: f"model-{n}.safetensors" for k in shard})
+    json.dump({"weight_map": weight_map}, open(src / "model.safetensors.index.json", "w"))
+    assert total > 500e6
+    code = textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {HERE!r})
+        import convert_hf_checkpoint, torch
+        hwm = lambda: [l.split()[1] for l in open("/proc/self/status") if l.startswith("VmHWM")][0]  # peak RSS, kB
+        base = hwm()
+        {{}}
+        print(base, hwm())""")
+    run = lambda body: [int(x) * 1024 for x in subprocess.run([sys.executable, "-c", code.format(body)], check=True,
+                                                                capture_output=True, text=True).stdout.split()[-2:]]
+    base, peak = run(f"convert_hf_checkpoint.main(['--checkpoint-dir', {str(src)!r}, '--shard-size-mb', '32'])")
+    print(f"measured: converting {total / 1e6:.0f} MB took {(peak - base) / 1e6:.0f} MB above the baseline")
+    assert peak - base < 0.25 * total, (peak - base, total)
+    base, peak = run(f"from safetensors.torch import load_file; import glob; "
+                     f"w = [[t.clone() for t in load_file(f).values()] for f in glob.glob({str(src)!r} + '/*.safetensors')]")
+    assert peak - base > 0.8 * total  # while loading it whole does show up: the measurement can fail
+    model = load(str(src / "converted"))  # and the result is complete
+    assert model.layers[39].mlp.gate_up_proj.weight.shape == (4096, 512)
+
+
+@pytest.fixture
+def snapshot(tmp_path):
+    hf_checkpoint(str(tmp_path / "hf"), tokenizer=False, sharded=True)
+    return tmp_path / "hf"
+
+
+def convert_error(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        convert.main(argv)
+    message = str(e.value.code)
+    assert message.startswith("error: ") and "\n" not in message and "Traceback" not in capsys.readouterr().err
+    return message
+
+
+def test_convert_rejects_other_architectures(snapshot, capsys):
+    for arch in ["Qwen2ForCausalLM", "Qwen3MoeForCausalLM"]:
+        cfg = json.load(open(snapshot / "config.json"))
+        cfg["architectures"] = [arch]
+        json.dump(cfg, open(snapshot / "config.json", "w"))
+        assert arch in convert_error(["--checkpoint-dir", str(snapshot)], capsys)
+
+
+def test_convert_bad_inputs_one_line_and_nothing_written(snapshot, tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["--checkpoint-dir", str(snapshot), "--output", str(out)]
+    assert "no config.json" in convert_error(["--checkpoint-dir", str(tmp_path)], capsys)
+    shards = sorted(p for p in snapshot.iterdir() if p.suffix == ".safetensors")
+    # a truncated shard (the last one, so the others are written before the failure)
+    data = shards[-1].read_bytes()
+    shards[-1].write_bytes(data[:len(data) // 2])
+    assert "truncated or corrupt" in convert_error(argv, capsys) or "not a readable" in convert_error(argv, capsys)
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".converting")]
+    shards[-1].write_bytes(data)
+    # a tensor we can't place, and a tensor missing
+    extra = snapshot / "extra.safetensors"
+    save_file({"model.layers.0.mlp.experts.0.weight": torch.zeros(2)}, extra)
+    assert "model.layers.0.mlp.experts.0.weight" in convert_error(argv, capsys)
+    extra.unlink()
+    (snapshot / "model.safetensors.index.json").unlink()
+    shards[0].unlink()
+    assert "lacks" in convert_error(argv, capsys)
+    assert not out.exists()
+    for p in snapshot.iterdir():
+        if p.suffix == ".safetensors":
+            p.unlink()
+    assert "no *.safetensors" in convert_error(argv, capsys)
+    (snapshot / "pytorch_model.bin").write_bytes(b"pickle")
+    assert "safetensors only" in convert_error(argv, capsys)
+
+
+def test_convert_cli_prints_one_line(snapshot):
+    cfg = json.load(open(snapshot / "config.json"))
+    cfg["architectures"] = ["Qwen2ForCausalLM"]
+    json.dump(cfg, open(snapshot / "config.json", "w"))
+    r = subprocess.run([sys.executable, os.path.join(HERE, "convert_hf_checkpoint.py"), "--checkpoint-dir",
+                        str(snapshot)], capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.strip().count("\n") == 0 and r.stderr.startswith("error: ")
+
+
+# ---------------------------------------------------------------- sampling
+
+def exact_filtered(logits, temperature, top_k, top_p):
+    """The distribution sample() should draw from, the slow obvious way, in transformers' order: temperature,
+    top-k, renormalise, then top-p (the smallest head whose mass reaches top_p)."""
+    p = torch.softmax(logits.double() / temperature, -1)
+    order = p.argsort(descending=True).tolist()
+    if top_k:
+        p[order[top_k:]] = 0
+        p /= p.sum()
+    keep, mass = torch.zeros_like(p, dtype=torch.bool), 0.0
+    for i in order:
+        if mass >= top_p or p[i] == 0:
+            break
+        keep[i], mass = True, mass + p[i].item()
+    q = torch.where(keep, p, 0)
+    return q / q.sum()
+
+
+def chi_square_pvalue(counts, probs, n):
+    expected = probs * n
+    used = expected > 0
+    stat = ((counts[used] - expected[used]) ** 2 / expected[used]).sum()
+    dof = used.sum().item() - 1
+    return torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2).item()
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 5, 1.0), (1.0, 0, 0.8),
+                                                     (0.8, 6, 0.9)])
+def test_sample_matches_exact_distribution(temperature, top_k, top_p):
+    torch.manual_seed(5)
+    logits = torch.randn(12) * 1.5
+    n = 20_000
+    draws = G.sample(logits.expand(n, 12).contiguous(), temperature, top_k, top_p)
+    counts = torch.bincount(draws, minlength=12).double()
+    probs = exact_filtered(logits, temperature, top_k, top_p)
+    assert counts[probs == 0].sum() == 0, "a filtered token was drawn"
+    assert chi_square_pvalue(counts, probs, n) > 1e-3
+    if top_k or top_p < 1:
+        assert (probs == 0).sum() > 0  # the filter really removed something here
+
+
+def test_sample_greedy_and_wrong_distribution_is_detected():
+    logits = torch.randn(4, 50)
+    assert torch.equal(G.sample(logits), logits.argmax(-1))
+    torch.manual_seed(6)
+    logits = torch.randn(12)
+    counts = torch.bincount(G.sample(logits.expand(20_000, 12).contiguous(), 1.0), minlength=12).double()
+    assert chi_square_pvalue(counts, exact_filtered(logits, 0.5, 0, 1.0), 20_000) < 1e-6  # the test can fail
+
+
+# ---------------------------------------------------------------- generation
+
+def greedy(path, prompts, max_new=24, check_every=5, stop_ids=(), compile=False, cuda_graph=False, device="cpu",
+           dtype=torch.float32, capacity=256):
+    model = Transformer.from_checkpoint(path, device, dtype)
+    gen = G.Generator(model, len(prompts), capacity, (0.0, 0, 1.0), compile, cuda_graph)
+    return gen.generate(prompts, max_new, set(stop_ids), check_every)[0]
+
+
+def test_greedy_decode_equals_full_recomputation(tiny):
+    prompt = [1, 2, 3, 4, 5]
+    out = greedy(tiny, [prompt], max_new=30)[0]
+    assert len(out) == 30
+    seq = list(prompt)
+    for t in out:
+        assert t == int(forward(load(tiny), seq)[-1].argmax())  # a fresh cache, the whole sequence each time
+        seq.append(t)
+
+
+def test_compile_matches_eager_on_cpu(tiny):
+    prompts = [[7, 8, 9], [4, 4, 4, 4, 4, 4, 4]]
+    assert greedy(tiny, prompts, max_new=40, compile=True) == greedy(tiny, prompts, max_new=40)
+
+
+def test_stop_tokens_trim_output(tiny):
+    full = greedy(tiny, [[1, 2, 3]], max_new=30)[0]
+    stop = full[9]
+    first = full.index(stop)
+    out = greedy(tiny, [[1, 2, 3]], max_new=30, stop_ids=[stop], check_every=7)[0]
+    assert out == full[:first]
+
+
+def test_batch_rows_equal_single_runs(tiny):
+    prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5], [9]]
+    full = greedy(tiny, [[3, 1, 4, 1, 5]], max_new=20)[0]
+    stop = full[6]
+    batch = greedy(tiny, prompts, max_new=20, stop_ids=[stop])
+    singles = [greedy(tiny, [p], max_new=20, stop_ids=[stop])[0] for p in prompts]
+    assert batch == singles
+    assert len(batch[0]) < 20  # row 0 stopped on its own while the others went on
+
+
+def test_attended_length_buckets():
+    assert G.attended_length(1, 4096) == 256 and G.attended_length(257, 4096) == 512
+    assert G.attended_length(512, 4096) == 512 and G.attended_length(3000, 3000) == 3000
+
+
+def test_chat_turns_reuse_the_cache(tiny):
+    """A second turn prefilled after the cached history gives what prefilling the whole conversation gives."""
+    model = Transformer.from_checkpoint(tiny, "cpu", torch.float32)
+    gen = G.Generator(model, 1, 512, (0.0, 0, 1.0))
+    turn1, turn2 = [5, 6, 7, 8], [9, 10, 11]
+    reply1 = gen.generate([turn1], 8, set())[0][0]
+    fed = 7  # max_new 8: the last reply token was never fed back
+    reply2 = gen.generate([reply1[fed:] + turn2], 10, set(), starts=[len(turn1) + fed])[0][0]
+    assert reply2 == greedy(tiny, [turn1 + reply1 + turn2], max_new=10)[0]
+
+
+def test_text_stream_holds_back_split_characters(tiny):
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(os.path.join(tiny, "tokenizer.json"))
+    ids = tok.encode("hello 🦙 world ñ").ids
+    decode = lambda x: tok.decode(x)
+    assert any(decode(ids[:i]).endswith("\ufffd") for i in range(len(ids)))  # a character really is split
+    buf = io.StringIO()
+    stream = G.TextStream(decode, buf)
+    for i in range(1, len(ids) + 1):
+        stream([ids[:i]])
+        assert "\ufffd" not in buf.getvalue()
+    stream([ids], final=True)
+    assert buf.getvalue() == decode(ids) == "hello 🦙 world ñ"
+
+
+def cli(*args, stdin=None):
+    return subprocess.run([sys.executable, os.path.join(HERE, "generate.py"), "--device", "cpu", *args],
+                          capture_output=True, text=True, input=stdin, timeout=300)
+
+
+def test_cli_end_to_end_streams_the_generated_text(tiny):
+    r = cli("--checkpoint", tiny, "--prompt", "hello world", "--max-new-tokens", "12", "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(os.path.join(tiny, "tokenizer.json"))
+    expected = greedy(tiny, [tok.encode("hello world").ids], max_new=12, stop_ids=G.json.load(
+        open(os.path.join(tiny, "generation_config.json")))["eos_token_id"])[0]
+    assert r.stdout == tok.decode(expected) + "\n"
+    stats = json.loads(r.stderr.strip().splitlines()[-1])
+    assert stats["summary"]["decode_tok_s"] > 0
+
+
+def test_cli_chat_batch_and_sampling(tiny, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("why is the sky blue?\nhello\n")
+    r = cli("--checkpoint", tiny, "--prompt-file", str(prompts), "--chat", "--no-think", "--system", "be brief",
+            "--max-new-tokens", "8", "--seed", "3", "--num-samples", "2")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("--- ") == 4  # two prompts, two runs
+    runs = [json.loads(l) for l in r.stderr.splitlines() if l.startswith('{"run"')]
+    assert [x["warmup"] for x in runs] == [True, False] and runs[1]["aggregate_tok_s"] > 0
+    same = [cli("--checkpoint", tiny, "--prompt", "hello", "--max-new-tokens", "10", "--seed", "7").stdout
+            for _ in range(2)]
+    assert same[0] == same[1]  # --seed makes sampling reproducible
+
+
+def test_chat_template():
+    assert G.chat_turn("hi") == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert G.chat_turn("hi", "sys", True) == ("<|im_start|>system\nsys<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+                                              "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_cli_interactive(tiny):
+    r = cli("--checkpoint", tiny, "--interactive", "--max-new-tokens", "6", "--temperature", "0", stdin="hello\nworld\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("> ") == 3  # two answered turns, then end of input
+
+
+def test_cli_dummy_benchmark_mode():
+    r = cli("--dummy", "tiny", "--prompt-tokens", "16", "--max-new-tokens", "20", "--num-samples", "2")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stderr.strip().splitlines()[-1])
+    assert summary["runs"] == 1 and summary["summary"]["decode_tok_s"] > 0 and summary["weights_GB"] > 0
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--temperature", "-1"], "--temperature"),
+    (["--top-p", "0"], "--top-p"),
+    (["--top-p", "1.5"], "--top-p"),
+    (["--prompt", "   "], "empty prompt"),
+    (["--max-new-tokens", "100", "--cache-len", "50"], "over --cache-len"),
+    (["--max-new-tokens", "5000"], "over the model's"),
+    (["--cuda-graph"], "needs a CUDA device"),
+    (["--dummy", "3B", "--prompt-tokens", "4"], "unknown preset"),
+    (["--checkpoint", "/nonexistent"], "no converted checkpoint"),
+])
+def test_cli_bad_input_one_line(tiny, args, message):
+    argv = ["--device", "cpu", "--checkpoint", tiny, "--prompt", "hello world", *args]
+    if "--cuda-graph" in args and CUDA:
+        pytest.skip("CUDA is present")
+    with pytest.raises(SystemExit) as e:
+        G.main(argv)
+    assert str(e.value.code).startswith("error: ") and message in str(e.value.code)
+    assert "\n" not in str(e.value.code)
+
+
+def test_cli_bad_input_prints_no_traceback(tiny):
+    r = cli("--checkpoint", tiny, "--prompt", "hi", "--top-p", "2")
+    assert r.returncode == 1 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr
+
+
+# ---------------------------------------------------------------- CUDA (skipped without a GPU)
+
+@needs_cuda
+def test_cuda_eager_compile_graph_identical_greedy(tiny):
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11]]
+    eager = greedy(tiny, prompts, max_new=300, device="cuda")
+    for compile, graph in [(True, False), (False, True), (True, True)]:
+        assert greedy(tiny, prompts, max_new=300, device="cuda", compile=compile, cuda_graph=graph) == eager
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", ["eager", "graph", "compile"])
+def test_cuda_no_host_sync_inside_decode_steps(tiny, mode):
+    model = Transformer.from_checkpoint(tiny, "cuda", torch.bfloat16)
+    gen = G.Generator(model, 1, 1024, (0.8, 20, 0.9), mode == "compile", mode == "graph")
+    gen.generate([[1, 2, 3]], 40, set())  # warm-up: compile and capture
+    inner = gen.step
+
+    def checked(kv_positions):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            inner(kv_positions)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    gen.step = checked
+    out = gen.generate([[1, 2, 3]], 40, set())[0][0]
+    assert len(out) == 40
