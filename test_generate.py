@@ -372,7 +372,7 @@ def test_sample_greedy_and_wrong_distribution_is_detected():
 # ---------------------------------------------------------------- generation
 
 def greedy(path, prompts, max_new=24, check_every=5, stop_ids=(), compile=False, cuda_graph=False, device="cpu",
-           dtype=torch.float32, capacity=256):
+           dtype=torch.float32, capacity=512):
     model = Transformer.from_checkpoint(path, device, dtype)
     gen = G.Generator(model, len(prompts), capacity, (0.0, 0, 1.0), compile, cuda_graph)
     return gen.generate(prompts, max_new, set(stop_ids), check_every)[0]
@@ -523,7 +523,7 @@ def test_cli_bad_input_prints_no_traceback(tiny):
 @needs_cuda
 def test_cuda_eager_compile_graph_identical_greedy(tiny):
     prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11]]
-    eager = greedy(tiny, prompts, max_new=300, device="cuda")
+    eager = greedy(tiny, prompts, max_new=300, device="cuda")  # crosses the 256 -> 512 attended-length bucket
     for compile, graph in [(True, False), (False, True), (True, True)]:
         assert greedy(tiny, prompts, max_new=300, device="cuda", compile=compile, cuda_graph=graph) == eager
 
@@ -545,3 +545,67 @@ def test_cuda_no_host_sync_inside_decode_steps(tiny, mode):
     gen.step = checked
     out = gen.generate([[1, 2, 3]], 40, set())[0][0]
     assert len(out) == 40
+
+
+# ---------------------------------------------------------------- int8 weight-only quantization
+
+def test_int8_quality_against_fp32(tmp_path):
+    hf, path = converted(tmp_path, tokenizer=False, hidden=128, heads=8, kv_heads=2, head_dim=32, layers=4, vocab=2048)
+    convert.convert(path, str(tmp_path / "int8"), int8=True)  # quantizes our converted weights
+    q8 = load(str(tmp_path / "int8"))
+    assert q8.layers[0].self_attn.qkv_proj.weight.dtype == torch.int8 and q8.embed_tokens.weight.dtype == torch.float32
+    ref = load(path)
+    torch.manual_seed(8)
+    prompt = torch.randint(0, 2048, (64,)).tolist()
+    a, b = forward(ref, prompt), forward(q8, prompt)
+    cos = torch.nn.functional.cosine_similarity(a, b, dim=-1).min().item()
+    rel = ((a - b).norm(dim=-1) / a.norm(dim=-1)).max().item()
+    print(f"measured: int8 vs fp32 logits: min cosine {cos:.5f}, max relative error {rel:.4f}")
+    assert cos >= 0.999 and rel < 0.05
+    out_ref = greedy(path, [prompt[:8]], max_new=64)[0]
+    out_q8 = greedy(str(tmp_path / "int8"), [prompt[:8]], max_new=64)[0]
+    same = next((i for i, (x, y) in enumerate(zip(out_ref, out_q8)) if x != y), len(out_ref))
+    print(f"measured: int8 greedy tokens agree with fp32 for the first {same} of {len(out_ref)} steps")
+    assert same >= 16
+    size = lambda d: sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d) if f.endswith(".safetensors"))
+    blocks = sum(p.numel() for n, p in ref.named_parameters() if "proj" in n)
+    assert size(tmp_path / "int8") < size(path) - 0.7 * blocks * 4  # the block weights shrank 4x (fp32 -> int8)
+
+
+def test_int8_quantize_roundtrip():
+    w = torch.randn(64, 32) * torch.linspace(0.01, 3, 64)[:, None]  # rows of very different scales
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and q.abs().max() == 127 and scale.shape == (64,)
+    assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-6).all()
+
+
+def test_int8_bad_inputs(tmp_path, capsys):
+    hf, path = converted(tmp_path, tokenizer=False)
+    convert.convert(path, str(tmp_path / "int8"), int8=True)
+    assert "already quantized" in convert_error(["--checkpoint-dir", str(tmp_path / "int8"), "--int8"], capsys)
+    cfg = json.load(open(tmp_path / "int8" / "config.json"))
+    json.dump({**cfg, "quantization": None}, open(tmp_path / "int8" / "config.json", "w"))
+    with pytest.raises(UserError, match="int8"):
+        load(str(tmp_path / "int8"))
+    json.dump({**cfg, "hidden_size": 96}, open(tmp_path / "int8" / "config.json", "w"))
+    with pytest.raises(UserError, match="do not match"):
+        load(str(tmp_path / "int8"))
+    with pytest.raises(SystemExit, match="--int8 goes with --dummy"):
+        G.main(["--checkpoint", path, "--int8", "--prompt", "x"])
+
+
+def test_int8_dummy_runs_in_eager_and_compile():
+    for extra in ([], ["--compile"]):
+        r = cli("--dummy", "tiny", "--int8", "--prompt-tokens", "8", "--max-new-tokens", "12", *extra)
+        assert r.returncode == 0, r.stderr
+
+
+@needs_cuda
+def test_cuda_int8_modes_identical_greedy(tmp_path):
+    hf, path = converted(tmp_path, tokenizer=False)
+    convert.convert(path, str(tmp_path / "int8"), int8=True)
+    q8 = str(tmp_path / "int8")
+    eager = greedy(q8, [[1, 2, 3]], max_new=40, device="cuda", dtype=torch.bfloat16)
+    for compile, graph in [(True, False), (False, True), (True, True)]:
+        assert greedy(q8, [[1, 2, 3]], max_new=40, device="cuda", dtype=torch.bfloat16, compile=compile,
+                      cuda_graph=graph) == eager

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Decode speed of qwen3-fast on random weights of a real size, one JSON line per configuration:
+#   bash bench/bench.sh SIZE MODE [BATCH] [CACHE_LEN] [int8]      MODE: eager | compile | graph | compile+graph
+# Decode tok/s two ways: from two generation lengths in the same process, (n2 - n1) / (t2 - t1), which cancels
+# prefill, and generate()'s own clock from the first token to the last. Sampling: Qwen3's defaults (T 0.6, top-k 20,
+# top-p 0.95). Also the time to the first decoded token including compilation (the first call of the process).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SIZE=$1 MODE=$2 BATCH=${3:-1} CACHE=${4:-1024} INT8=${5:-} PROMPT=${PROMPT:-128} N1=${N1:-64} N2=${N2:-320} python3 - <<'PY'
+import json, os, time, torch
+import generate as G
+e = os.environ
+size, mode, batch, cache, prompt_len = e["SIZE"], e["MODE"], int(e["BATCH"]), int(e["CACHE"]), int(e["PROMPT"])
+n1, n2 = int(e["N1"]), int(e["N2"])
+t0 = time.perf_counter()
+model = G.dummy_model(size, e["INT8"] == "int8", "cuda", torch.bfloat16)
+gen = G.Generator(model, batch, cache, (0.6, 20, 0.95), "compile" in mode, "graph" in mode)
+torch.manual_seed(0)
+prompts = [torch.randint(0, 151643, (prompt_len,)).tolist() for _ in range(batch)]
+t1 = time.perf_counter()
+gen.generate(prompts, 2, set())  # one decode step: compiles and captures
+first = time.perf_counter() - t1
+gen.generate(prompts, n2, set())  # warms every attended length the timed runs use
+
+def timed(n):
+    torch.cuda.synchronize(); t = time.perf_counter()
+    _, stats = gen.generate(prompts, n, set())
+    return time.perf_counter() - t, stats
+
+rates, direct, ttft = [], [], []
+for _ in range(3):
+    (ta, _), (tb, sb) = timed(n1), timed(n2)
+    rates.append((n2 - n1) / (tb - ta)); direct.append(sb["steps"] / sb["decode_s"]); ttft.append(sb["prefill_s"])
+nbytes = G.weight_bytes(model)
+best = max(rates)
+print(json.dumps({"size": size, "mode": mode, "batch": batch, "cache_len": cache, "int8": e["INT8"] == "int8",
+                  "decode_tok_s": round(best, 1), "aggregate_tok_s": round(best * batch, 1),
+                  "direct_tok_s": round(max(direct), 1), "all": [round(r, 1) for r in rates],
+                  "weights_GB": round(nbytes / 1e9, 3), "GB_s": round(best * nbytes / 1e9, 1),
+                  "ttft_s": round(min(ttft), 4), "first_decoded_token_s": round(first, 1),
+                  "load_s": round(t1 - t0, 1), "peak_mem_GB": round(torch.cuda.max_memory_allocated() / 1e9, 2)}),
+      flush=True)
+PY
