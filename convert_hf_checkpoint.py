@@ -125,7 +125,7 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--checkpoint-dir", help="a Hugging Face Qwen3 snapshot (config.json + *.safetensors)")
-    ap.add_argument("--repo", help="download this Hugging Face repo first (needs huggingface_hub), e.g. Qwen/Qwen3-0.6B")
+    ap.add_argument("--repo", help="download this Hugging Face repo first, e.g. Qwen/Qwen3-0.6B (huggingface_hub)")
     ap.add_argument("--output", help="where to write (default: CHECKPOINT_DIR/converted, or converted-int8)")
     ap.add_argument("--int8", action="store_true", help="int8 weight-only quantization of the transformer blocks")
     ap.add_argument("--shard-size-mb", type=int, default=2048, help="size of each output file")
@@ -136,8 +136,9 @@ def main(argv=None):
                 from huggingface_hub import snapshot_download
             except ImportError:
                 raise UserError("--repo needs huggingface_hub: pip install huggingface_hub")
-            a.checkpoint_dir = snapshot_download(a.repo, local_dir=a.checkpoint_dir or os.path.join("checkpoints", a.repo),
-                                                 allow_patterns=["*.json", "*.safetensors", "*.txt", "tokenizer.model"])
+            local_dir = a.checkpoint_dir or os.path.join("checkpoints", a.repo)
+            a.checkpoint_dir = snapshot_download(a.repo, local_dir=local_dir, allow_patterns=[
+                "*.json", "*.safetensors", "*.txt", "tokenizer.model"])
         if not a.checkpoint_dir:
             raise UserError("give --checkpoint-dir DIR (a Hugging Face Qwen3 snapshot) or --repo Qwen/Qwen3-0.6B")
         out = a.output or os.path.join(a.checkpoint_dir, "converted-int8" if a.int8 else "converted")

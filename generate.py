@@ -1,5 +1,7 @@
-"""Fast Qwen3 generation: prefill, then a decode step that never syncs with the host, compiled and/or replayed as a
-CUDA graph; stop tokens are checked every --check-every steps with one sync.
+"""Generates text with Qwen3, fast: a decode step that never syncs with the host, compiled and/or CUDA-graphed.
+
+Prefill runs each prompt in its own cache row; decode steps run on the device alone, and the host looks for stop
+tokens every --check-every steps with one sync.
 
     python generate.py --compile --prompt "Hello, my name is"
     python generate.py --compile --chat --no-think --prompt "Why is the sky blue?"
@@ -107,8 +109,9 @@ class Generator:
     def prefill(self, tokens: list[int], row: int, start: int) -> torch.Tensor:
         """Runs one prompt through cache row `row` from position `start`; returns its first new token (1,)."""
         device, end = self.state.tokens.device, start + len(tokens)
-        logits = self.prefill_model(torch.tensor([tokens], device=device), torch.arange(start, end, device=device)[None],
-                                    self.model.key_positions[:end], rows=slice(row, row + 1), last_only=True)
+        positions = torch.arange(start, end, device=device)[None]
+        logits = self.prefill_model(torch.tensor([tokens], device=device), positions, self.model.key_positions[:end],
+                                    rows=slice(row, row + 1), last_only=True)
         return sample(logits[:, -1], *self.sampling)
 
     @torch.no_grad()
@@ -156,7 +159,8 @@ def load_tokenizer(path: str):
     if os.path.isfile(os.path.join(path, "tokenizer.json")):
         from tokenizers import Tokenizer
         tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
-        return lambda s: tok.encode(s, add_special_tokens=False).ids, lambda ids: tok.decode(ids, skip_special_tokens=False)
+        return (lambda s: tok.encode(s, add_special_tokens=False).ids,
+                lambda ids: tok.decode(ids, skip_special_tokens=False))
     if os.path.isfile(os.path.join(path, "tokenizer.model")):
         import sentencepiece
         sp = sentencepiece.SentencePieceProcessor(model_file=os.path.join(path, "tokenizer.model"))
@@ -199,7 +203,8 @@ def dummy_model(name: str, int8: bool, device, dtype) -> Transformer:
         state = model.state_dict()
         for name in [k for k in quantized.state_dict() if k.endswith(".scale")]:
             weight = name.removesuffix(".scale") + ".weight"
-            state[weight], state[name] = quantize_int8(state[weight])
+            state[weight], scale = quantize_int8(state[weight])
+            state[name] = scale.to(dtype)
         quantized.load_state_dict(state, assign=True)
         model = quantized
     return model.eval()
@@ -216,14 +221,15 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     g = ap.add_argument_group("model")
     g.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, help="a directory written by convert_hf_checkpoint.py")
-    g.add_argument("--dummy", metavar="NAME", help="benchmarks: random weights of a preset (0.6B, 1.7B, 4B, 8B, 14B, 32B)")
+    g.add_argument("--dummy", metavar="NAME", help="benchmarks: random weights of a preset (0.6B, 1.7B, ..., 32B)")
     g.add_argument("--int8", action="store_true", help="with --dummy: int8 weights (checkpoints say it themselves)")
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    g.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: bfloat16 on CUDA, else float32")
+    g.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: bfloat16 on CUDA, else fp32")
     g = ap.add_argument_group("prompt")
     g.add_argument("--prompt", action="append", help="repeat it for a batch: one cache row per prompt")
     g.add_argument("--prompt-file", help="one prompt per line, decoded together as a batch")
     g.add_argument("--prompt-tokens", type=int, help="benchmarks: a synthetic prompt of this many token ids")
+    g.add_argument("--batch", type=int, default=1, help="benchmarks: copies of the synthetic prompt, decoded together")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in Qwen3's chat template")
     g.add_argument("--system", help="system message for --chat")
     g.add_argument("--no-think", action="store_true", help="with --chat: answer without a thinking block")
@@ -240,8 +246,8 @@ def parse_args(argv=None):
     g.add_argument("--cuda-graph", action="store_true", help="capture the decode step as CUDA graphs by hand")
     g.add_argument("--compile-prefill", action="store_true", help="torch.compile prefill with dynamic shapes")
     g.add_argument("--check-every", type=int, default=16, help="decode steps between stop checks (one sync each)")
-    g.add_argument("--cache-len", type=int, help="KV cache positions (default: longest prompt + max new; 8192 chatting)")
-    g.add_argument("--num-samples", type=int, default=1, help="runs; above 1 the first is a warm-up left out of the mean")
+    g.add_argument("--cache-len", type=int, help="KV cache positions (default: longest prompt + max new, or 8192)")
+    g.add_argument("--num-samples", type=int, default=1, help="runs; above 1 the first is a warm-up, not averaged")
     g.add_argument("--profile", metavar="PATH", help="write a torch.profiler trace of the last run")
     a = ap.parse_args(argv)
     checks = [(a.temperature is not None and a.temperature < 0, "--temperature must be >= 0"),
@@ -253,9 +259,13 @@ def parse_args(argv=None):
                "--cuda-graph needs a CUDA device"),
               (a.device.startswith("cuda") and not torch.cuda.is_available(), "no CUDA device: use --device cpu"),
               (a.int8 and not a.dummy, "--int8 goes with --dummy; quantize checkpoints with convert_hf_checkpoint.py"),
-              (a.interactive and (a.prompt_file or a.prompt_tokens or a.dummy), "--interactive chats with a checkpoint"),
+              (a.interactive and (a.prompt_file or a.prompt_tokens or a.dummy), "--interactive needs a checkpoint"),
               (a.dummy and not a.prompt_tokens, "--dummy has no tokenizer: give --prompt-tokens N"),
-              (a.prompt_tokens is not None and a.prompt_tokens < 1, "--prompt-tokens must be >= 1")]
+              (a.prompt_tokens is not None and a.prompt_tokens < 1, "--prompt-tokens must be >= 1"),
+              (a.prompt_tokens and (a.prompt or a.prompt_file or a.chat), "--prompt-tokens replaces the text prompts"),
+              (a.batch != 1 and not a.prompt_tokens, "--batch goes with --prompt-tokens; for text, repeat --prompt"),
+              (a.batch < 1, "--batch must be >= 1"),
+              ((a.system or a.no_think) and not (a.chat or a.interactive), "--system and --no-think go with --chat")]
     for bad, message in checks:
         if bad:
             raise UserError(message)
@@ -299,10 +309,12 @@ def run(a):
     stop_ids = set(a.stop_ids) | set(eos if isinstance(eos, list) else [eos])
     texts = list(a.prompt or [])
     if a.prompt_file:
+        if not os.path.isfile(a.prompt_file):
+            raise UserError(f"no prompt file at {a.prompt_file}")
         with open(a.prompt_file) as f:
             texts += [line.rstrip("\n") for line in f if line.strip()]
     if a.prompt_tokens:
-        prompts = [torch.randint(0, 151643, (a.prompt_tokens,)).tolist()] * max(1, len(texts))
+        prompts = [torch.randint(0, 151643, (a.prompt_tokens,)).tolist()] * a.batch
     elif a.interactive:
         prompts = []
     else:
@@ -315,7 +327,8 @@ def run(a):
         raise UserError(f"cache length {capacity} is over the model's {max_positions} positions: "
                         f"shorten the prompt or lower --max-new-tokens / --cache-len")
     if longest + a.max_new_tokens > capacity:
-        raise UserError(f"prompt ({longest} tokens) + --max-new-tokens {a.max_new_tokens} is over --cache-len {capacity}")
+        raise UserError(f"prompt ({longest} tokens) + --max-new-tokens {a.max_new_tokens} is over --cache-len "
+                        f"{capacity}")
 
     model = dummy_model(a.dummy, a.int8, a.device, dtype) if a.dummy else \
         Transformer.from_checkpoint(a.checkpoint, a.device, dtype)

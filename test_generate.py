@@ -1,5 +1,5 @@
 """Tests for qwen3-fast. transformers' Qwen3ForCausalLM is the oracle. CUDA tests skip without a GPU."""
-import inspect, io, json, os, resource, subprocess, sys, textwrap
+import inspect, io, json, os, subprocess, sys, textwrap
 
 import pytest
 import torch
@@ -252,8 +252,8 @@ def test_convert_memory_stays_bounded(tmp_path):
     base, peak = run(f"convert_hf_checkpoint.main(['--checkpoint-dir', {str(src)!r}, '--shard-size-mb', '32'])")
     print(f"measured: converting {total / 1e6:.0f} MB took {(peak - base) / 1e6:.0f} MB above the baseline")
     assert peak - base < 0.25 * total, (peak - base, total)
-    base, peak = run(f"from safetensors.torch import load_file; import glob; "
-                     f"w = [[t.clone() for t in load_file(f).values()] for f in glob.glob({str(src)!r} + '/*.safetensors')]")
+    base, peak = run(f"from safetensors.torch import load_file; import glob; w = [[t.clone() for t in "
+                     f"load_file(f).values()] for f in glob.glob({str(src)!r} + '/*.safetensors')]")
     assert peak - base > 0.8 * total  # while loading it whole does show up: the measurement can fail
     model = load(str(src / "converted"))  # and the result is complete
     assert model.layers[39].mlp.gate_up_proj.weight.shape == (4096, 512)
@@ -480,16 +480,33 @@ def test_chat_template():
 
 
 def test_cli_interactive(tiny):
-    r = cli("--checkpoint", tiny, "--interactive", "--max-new-tokens", "6", "--temperature", "0", stdin="hello\nworld\n")
+    r = cli("--checkpoint", tiny, "--interactive", "--max-new-tokens", "6", "--temperature", "0",
+            stdin="hello\nworld\n")
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("> ") == 3  # two answered turns, then end of input
 
 
-def test_cli_dummy_benchmark_mode():
-    r = cli("--dummy", "tiny", "--prompt-tokens", "16", "--max-new-tokens", "20", "--num-samples", "2")
+def test_cli_dummy_benchmark_mode(tmp_path):
+    trace = tmp_path / "trace.json"
+    r = cli("--dummy", "tiny", "--prompt-tokens", "16", "--batch", "3", "--max-new-tokens", "20", "--num-samples", "2",
+            "--profile", str(trace))
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stderr.strip().splitlines()[-1])
-    assert summary["runs"] == 1 and summary["summary"]["decode_tok_s"] > 0 and summary["weights_GB"] > 0
+    assert summary["runs"] == 1 and summary["batch"] == 3 and summary["weights_GB"] > 0
+    assert summary["summary"]["decode_tok_s"] > 0 and summary["summary"]["GB_s"] > 0
+    assert "traceEvents" in json.loads(trace.read_text())  # --profile wrote a chrome trace
+
+
+def test_cli_stop_ids_and_compiled_prefill(tiny):
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(os.path.join(tiny, "tokenizer.json"))
+    eos = json.load(open(os.path.join(tiny, "generation_config.json")))["eos_token_id"]
+    ids = greedy(tiny, [tok.encode("hello world").ids], max_new=16, stop_ids=eos)[0]
+    stop = ids[len(ids) // 2]
+    r = cli("--checkpoint", tiny, "--prompt", "hello world", "--max-new-tokens", "16", "--temperature", "0",
+            "--stop-ids", str(stop), "--compile-prefill")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == tok.decode(ids[:ids.index(stop)]) + "\n"
 
 
 @pytest.mark.parametrize("args,message", [
@@ -502,9 +519,15 @@ def test_cli_dummy_benchmark_mode():
     (["--cuda-graph"], "needs a CUDA device"),
     (["--dummy", "3B", "--prompt-tokens", "4"], "unknown preset"),
     (["--checkpoint", "/nonexistent"], "no converted checkpoint"),
+    (["--prompt-file", "/nonexistent"], "no prompt file"),
+    (["--system", "be brief"], "go with --chat"),
+    (["--batch", "4"], "--batch goes with --prompt-tokens"),
+    (["--prompt-tokens", "8"], "replaces the text prompts"),
+    (["--int8"], "--int8 goes with --dummy"),
+    (["--check-every", "0"], "must be >= 1"),
 ])
 def test_cli_bad_input_one_line(tiny, args, message):
-    argv = ["--device", "cpu", "--checkpoint", tiny, "--prompt", "hello world", *args]
+    argv = ["--device", "cpu", "--checkpoint", tiny, *([] if "--dummy" in args else ["--prompt", "hello world"]), *args]
     if "--cuda-graph" in args and CUDA:
         pytest.skip("CUDA is present")
     with pytest.raises(SystemExit) as e:
@@ -562,6 +585,9 @@ def test_int8_quality_against_fp32(tmp_path):
     rel = ((a - b).norm(dim=-1) / a.norm(dim=-1)).max().item()
     print(f"measured: int8 vs fp32 logits: min cosine {cos:.5f}, max relative error {rel:.4f}")
     assert cos >= 0.999 and rel < 0.05
+    agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()  # next-token choices on the same prefixes
+    print(f"measured: int8 picks the fp32 model's greedy next token at {agree:.1%} of 64 positions")
+    assert agree >= 0.9
     out_ref = greedy(path, [prompt[:8]], max_new=64)[0]
     out_q8 = greedy(str(tmp_path / "int8"), [prompt[:8]], max_new=64)[0]
     same = next((i for i, (x, y) in enumerate(zip(out_ref, out_q8)) if x != y), len(out_ref))
@@ -596,8 +622,10 @@ def test_int8_bad_inputs(tmp_path, capsys):
 
 def test_int8_dummy_runs_in_eager_and_compile():
     for extra in ([], ["--compile"]):
-        r = cli("--dummy", "tiny", "--int8", "--prompt-tokens", "8", "--max-new-tokens", "12", *extra)
+        r = cli("--dummy", "tiny", "--int8", "--prompt-tokens", "8", "--max-new-tokens", "12", "--dtype", "bfloat16",
+                *extra)
         assert r.returncode == 0, r.stderr
+        assert json.loads(r.stderr.strip().splitlines()[-1])["weights_GB"] > 0
 
 
 @needs_cuda
@@ -605,7 +633,8 @@ def test_cuda_int8_modes_identical_greedy(tmp_path):
     hf, path = converted(tmp_path, tokenizer=False)
     convert.convert(path, str(tmp_path / "int8"), int8=True)
     q8 = str(tmp_path / "int8")
-    eager = greedy(q8, [[1, 2, 3]], max_new=40, device="cuda", dtype=torch.bfloat16)
+    # fp32: in bf16 the fused dequantising reduction rounds once where eager rounds after the matmul and again
+    # after the scale, which flips near-tied greedy choices of a random model.
+    eager = greedy(q8, [[1, 2, 3]], max_new=40, device="cuda")
     for compile, graph in [(True, False), (False, True), (True, True)]:
-        assert greedy(q8, [[1, 2, 3]], max_new=40, device="cuda", dtype=torch.bfloat16, compile=compile,
-                      cuda_graph=graph) == eager
+        assert greedy(q8, [[1, 2, 3]], max_new=40, device="cuda", compile=compile, cuda_graph=graph) == eager
