@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Decode speed of qwen3-fast on random weights of a real size, one JSON line per configuration:
 #   bash bench/bench.sh SIZE MODE [BATCH] [CACHE_LEN] [int8]      MODE: eager | compile | graph | compile+graph
+#   PROFILE=1 bash bench/bench.sh 0.6B compile+graph               # and a per-kernel profile of one decode step
 # Decode tok/s two ways: from two generation lengths in the same process, (n2 - n1) / (t2 - t1), which cancels
 # prefill, and generate()'s own clock from the first token to the last. Sampling: Qwen3's defaults (T 0.6, top-k 20,
 # top-p 0.95). Also the time to the first decoded token including compilation (the first call of the process).
@@ -40,4 +41,15 @@ print(json.dumps({"size": size, "mode": mode, "batch": batch, "cache_len": cache
                   "ttft_s": round(min(ttft), 4), "first_decoded_token_s": round(first, 1),
                   "load_s": round(t1 - t0, 1), "peak_mem_GB": round(torch.cuda.max_memory_allocated() / 1e9, 2)}),
       flush=True)
+if e.get("PROFILE") and "graph" in mode:  # kernels of one step, timed without graph replay: where the time goes
+    inner, kv = gen.step.step, model.key_positions[:G.attended_length(prompt_len + n2 + 10, cache)]
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            inner(kv)
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    print(f"profile: {sum(k.device_time_total for k in ka) / 10:.0f} us of GPU time per step in "
+          f"{sum(k.count for k in ka if k.device_time_total > 0) / 10:.0f} kernels")
+    for k in sorted(ka, key=lambda k: -k.device_time_total)[:25]:
+        print(f"  {k.device_time_total / 10:8.1f} us {k.count // 10:4d}x  {k.key[:120]}")
 PY
