@@ -228,7 +228,7 @@ class Transformer(nn.Module):
         try:
             model.load_state_dict(state, strict=True, assign=True)
         except RuntimeError as e:
-            raise UserError(f"{path}: weights do not match config.json ({str(e).splitlines()[1].strip()})")
+            raise UserError(f"{path}: weights do not match config.json ({str(e).splitlines()[-1].strip()})")
         if args.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         return model.eval()

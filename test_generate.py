@@ -473,6 +473,43 @@ def test_cli_chat_batch_and_sampling(tiny, tmp_path):
     assert same[0] == same[1]  # --seed makes sampling reproducible
 
 
+def test_sentencepiece_tokenizer(tiny, tmp_path):
+    """Checkpoints that ship tokenizer.model instead of tokenizer.json go through sentencepiece."""
+    import shutil, sentencepiece
+    ckpt = tmp_path / "sp"
+    shutil.copytree(tiny, ckpt)
+    (ckpt / "tokenizer.json").unlink()
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(["hello world, the quick brown fox"] * 50),
+                                             model_writer=model, vocab_size=40, model_type="bpe")
+    (ckpt / "tokenizer.model").write_bytes(model.getvalue())
+    encode, decode = G.load_tokenizer(str(ckpt))
+    assert decode(encode("hello world")) == "hello world" and max(encode("hello world")) < VOCAB
+    r = cli("--checkpoint", str(ckpt), "--prompt", "hello world", "--max-new-tokens", "8", "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    expected = greedy(str(ckpt), [encode("hello world")], max_new=8,
+                      stop_ids=json.load(open(ckpt / "generation_config.json"))["eos_token_id"])[0]
+    assert r.stdout == decode(expected) + "\n"
+
+
+def test_convert_repo_downloads_first(tmp_path, monkeypatch):
+    """--repo hands the snapshot that huggingface_hub downloads to the converter (the hub itself is faked)."""
+    import shutil, types
+    src = tmp_path / "hub"
+    hf_checkpoint(str(src), tokenizer=False)
+    calls = []
+
+    def snapshot_download(repo, local_dir, allow_patterns):
+        calls.append((repo, local_dir))
+        shutil.copytree(src, local_dir)
+        return local_dir
+    monkeypatch.setitem(sys.modules, "huggingface_hub", types.SimpleNamespace(snapshot_download=snapshot_download))
+    monkeypatch.chdir(tmp_path)
+    convert.main(["--repo", "Qwen/Qwen3-tiny"])
+    assert calls == [("Qwen/Qwen3-tiny", os.path.join("checkpoints", "Qwen/Qwen3-tiny"))]
+    assert load(str(tmp_path / "checkpoints" / "Qwen" / "Qwen3-tiny" / "converted")).args.num_hidden_layers == 2
+
+
 def test_chat_template():
     assert G.chat_turn("hi") == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert G.chat_turn("hi", "sys", True) == ("<|im_start|>system\nsys<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
