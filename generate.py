@@ -63,18 +63,18 @@ class CUDAGraphStep:
     def __init__(self, step, state: DecodeState):
         self.step, self.state, self.graphs, self.pool = step, state, {}, torch.cuda.graph_pool_handle()
 
-    def __call__(self, kv_positions: torch.Tensor, *args) -> None:
+    def __call__(self, kv_positions: torch.Tensor) -> None:
         if kv_positions.shape[0] not in self.graphs:
             saved, rng = [t.clone() for t in self.state.tensors()], torch.cuda.get_rng_state()
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up off the capture: lazy init, compilation, autotuning
                 for _ in range(3):
-                    self.step(kv_positions, *args)
+                    self.step(kv_positions)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.step(kv_positions, *args)
+                self.step(kv_positions)
             # Warm-up advanced the state and the RNG: restore them. Its cache writes sit at positions that the
             # real steps write again before they read them.
             for t, s in zip(self.state.tensors(), saved):
