@@ -181,8 +181,11 @@ class Transformer(nn.Module):
         if capacity > a.max_position_embeddings:
             raise UserError(f"cache length {capacity} is over the model's {a.max_position_embeddings} positions")
         device, dtype = self.norm.weight.device, self.norm.weight.dtype
+        # One spare position, never attended: every attended prefix is then a strict slice of the buffer, so a
+        # compiled step's contiguity guards don't fail (and recompile) when the prefix reaches the capacity.
         for layer in self.layers:
-            layer.self_attn.kv_cache = StaticKVCache(slots, a.num_key_value_heads, capacity, a.head_dim, dtype, device)
+            layer.self_attn.kv_cache = StaticKVCache(slots, a.num_key_value_heads, capacity + 1, a.head_dim, dtype,
+                                                     device)
         # Angles in fp32 on the CPU as transformers computes them (an elementwise product, not a matmul).
         inv_freq = 1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.float) / a.head_dim))
         angles = torch.arange(capacity, dtype=torch.float)[:, None] * inv_freq

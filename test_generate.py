@@ -389,8 +389,18 @@ def test_greedy_decode_equals_full_recomputation(tiny):
 
 
 def test_compile_matches_eager_on_cpu(tiny):
+    from torch._dynamo.utils import counters
+    counters.clear()
     prompts = [[7, 8, 9], [4, 4, 4, 4, 4, 4, 4]]
-    assert greedy(tiny, prompts, max_new=40, compile=True) == greedy(tiny, prompts, max_new=40)
+    # 300 steps cross the 256 -> 512 attended-length bucket: still one compiled graph (the length is dynamic)
+    compiled = greedy(tiny, prompts, max_new=300, compile=True)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert compiled == greedy(tiny, prompts, max_new=300)
+
+
+def test_output_does_not_depend_on_cache_capacity(tiny):
+    prompts = [[3, 5, 7], [2, 4, 6, 8, 10]]
+    assert greedy(tiny, prompts, max_new=40, capacity=64) == greedy(tiny, prompts, max_new=40, capacity=2048)
 
 
 def test_stop_tokens_trim_output(tiny):
