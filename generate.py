@@ -196,23 +196,21 @@ def dummy_model(name: str, int8: bool, device, dtype) -> Transformer:
     args = ModelArgs.from_name(name)
     with torch.device(device):
         model = Transformer(args).to(dtype)
-    if int8:
-        args.quantization = "int8"
+    if int8:  # quantize what the int8 model has scales for, as the converter does
+        args.quantization, state = "int8", model.state_dict()
         with torch.device("meta"):
-            quantized = Transformer(args)
-        state = model.state_dict()
-        for name in [k for k in quantized.state_dict() if k.endswith(".scale")]:
+            scales = [k for k in Transformer(args).state_dict() if k.endswith(".scale")]
+        for name in scales:
             weight = name.removesuffix(".scale") + ".weight"
             state[weight], scale = quantize_int8(state[weight])
             state[name] = scale.to(dtype)
-        quantized.load_state_dict(state, assign=True)
-        model = quantized
+        model = Transformer.from_state_dict(args, state)
     return model.eval()
 
 
 def weight_bytes(model: Transformer) -> int:
     """Bytes a decode step reads from the weights: all of them but the embedding table, unless lm_head is it."""
-    tensors = {id(t): t for n, t in model.state_dict(keep_vars=True).items()
+    tensors = {t.data_ptr(): t for n, t in model.state_dict().items()
                if n != "embed_tokens.weight" or model.args.tie_word_embeddings}
     return sum(t.numel() * t.element_size() for t in tensors.values())
 

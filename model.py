@@ -216,8 +216,6 @@ class Transformer(nn.Module):
             raise UserError(f"no converted checkpoint at {path}: run convert_hf_checkpoint.py --checkpoint-dir ...")
         with open(os.path.join(path, "config.json")) as f:
             args = ModelArgs.from_config(json.load(f))
-        with torch.device("meta"):
-            model = cls(args)
         state = {}
         for file in sorted(glob.glob(os.path.join(path, "model*.safetensors"))):
             state.update(load_file(file, device=str(device)))
@@ -225,13 +223,19 @@ class Transformer(nn.Module):
             raise UserError(f"{path}: config.json says int8 but the weights have no scales; convert it again")
         if args.quantization is None and any(k.endswith(".scale") for k in state):
             raise UserError(f"{path}: the weights are int8 but config.json does not say so; convert it again")
-        state = {k: v if v.dtype == torch.int8 else v.to(dtype) for k, v in state.items()}
-        if args.tie_word_embeddings and "embed_tokens.weight" in state:
-            state["lm_head.weight"] = state["embed_tokens.weight"]
         try:
-            model.load_state_dict(state, strict=True, assign=True)
+            return cls.from_state_dict(args, {k: v if v.dtype == torch.int8 else v.to(dtype) for k, v in state.items()})
         except RuntimeError as e:
             raise UserError(f"{path}: weights do not match config.json ({str(e).splitlines()[-1].strip()})")
-        if args.tie_word_embeddings:
+
+    @classmethod
+    def from_state_dict(cls, args: ModelArgs, state: dict) -> "Transformer":
+        """Builds the model around the tensors of `state` without copying them (meta device, then assign)."""
+        with torch.device("meta"):
+            model = cls(args)
+        if args.tie_word_embeddings and "embed_tokens.weight" in state:
+            state["lm_head.weight"] = state["embed_tokens.weight"]
+        model.load_state_dict(state, strict=True, assign=True)
+        if args.tie_word_embeddings:  # assign made two Parameters of one tensor: make them one again
             model.lm_head.weight = model.embed_tokens.weight
         return model.eval()

@@ -7,7 +7,7 @@ from safetensors.torch import save_file
 
 import convert_hf_checkpoint as convert
 import generate as G
-from model import ModelArgs, Transformer, UserError, quantize_int8
+from model import Int8Linear, ModelArgs, Transformer, UserError, quantize_int8
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CUDA = torch.cuda.is_available()
@@ -665,6 +665,15 @@ def test_int8_bad_inputs(tmp_path, capsys):
         load(str(tmp_path / "int8"))
     with pytest.raises(SystemExit, match="--int8 goes with --dummy"):
         G.main(["--checkpoint", path, "--int8", "--prompt", "x"])
+
+
+def test_int8_dummy_model_quantizes_the_block_linears_and_keeps_the_tie():
+    bf16, q8 = (G.dummy_model("tiny", int8, "cpu", torch.bfloat16) for int8 in (False, True))
+    assert q8.lm_head.weight is q8.embed_tokens.weight and q8.embed_tokens.weight.dtype == torch.bfloat16
+    assert all(isinstance(m, Int8Linear) for n, m in q8.named_modules() if n.endswith("_proj"))
+    assert q8.layers[1].mlp.down_proj.scale.dtype == torch.bfloat16
+    blocks = sum(p.numel() for n, p in bf16.named_parameters() if "_proj" in n)
+    assert G.weight_bytes(bf16) - G.weight_bytes(q8) == pytest.approx(blocks, rel=0.05)  # 2 bytes -> 1 (+ scales)
 
 
 def test_int8_dummy_runs_in_eager_and_compile():
