@@ -200,10 +200,10 @@ def dummy_model(name: str, int8: bool, device, dtype) -> Transformer:
         args.quantization, state = "int8", model.state_dict()
         with torch.device("meta"):
             scales = [k for k in Transformer(args).state_dict() if k.endswith(".scale")]
-        for name in scales:
-            weight = name.removesuffix(".scale") + ".weight"
+        for scale_name in scales:
+            weight = scale_name.removesuffix(".scale") + ".weight"
             state[weight], scale = quantize_int8(state[weight])
-            state[name] = scale.to(dtype)
+            state[scale_name] = scale.to(dtype)
         model = Transformer.from_state_dict(args, state)
     return model.eval()
 
@@ -257,7 +257,8 @@ def parse_args(argv=None):
                "--cuda-graph needs a CUDA device"),
               (a.device.startswith("cuda") and not torch.cuda.is_available(), "no CUDA device: use --device cpu"),
               (a.int8 and not a.dummy, "--int8 goes with --dummy; quantize checkpoints with convert_hf_checkpoint.py"),
-              (a.interactive and (a.prompt_file or a.prompt_tokens or a.dummy), "--interactive needs a checkpoint"),
+              (a.interactive and (a.prompt or a.prompt_file or a.prompt_tokens or a.dummy),
+               "--interactive reads its prompts from the terminal and needs a checkpoint"),
               (a.dummy and not a.prompt_tokens, "--dummy has no tokenizer: give --prompt-tokens N"),
               (a.prompt_tokens is not None and a.prompt_tokens < 1, "--prompt-tokens must be >= 1"),
               (a.prompt_tokens and (a.prompt or a.prompt_file or a.chat), "--prompt-tokens replaces the text prompts"),

@@ -572,6 +572,7 @@ def test_cli_stop_ids_and_compiled_prefill(tiny):
     (["--prompt-tokens", "8"], "replaces the text prompts"),
     (["--int8"], "--int8 goes with --dummy"),
     (["--check-every", "0"], "must be >= 1"),
+    (["--interactive"], "reads its prompts from the terminal"),
 ])
 def test_cli_bad_input_one_line(tiny, args, message):
     argv = ["--device", "cpu", "--checkpoint", tiny, *([] if "--dummy" in args else ["--prompt", "hello world"]), *args]
