@@ -72,6 +72,8 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
     args = ModelArgs.from_config(cfg)
     if int8 and args.quantization:
         raise UserError(f"{src}: already quantized to {args.quantization}; convert the original checkpoint instead")
+    if ours and not int8:
+        raise UserError(f"{src}: already converted; add --int8 to quantize it, or point at the Hugging Face snapshot")
     args.quantization = "int8" if int8 else args.quantization
     with torch.device("meta"):
         expected = Transformer(args).state_dict()

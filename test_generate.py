@@ -657,6 +657,7 @@ def test_int8_bad_inputs(tmp_path, capsys):
     hf, path = converted(tmp_path, tokenizer=False)
     convert.convert(path, str(tmp_path / "int8"), int8=True)
     assert "already quantized" in convert_error(["--checkpoint-dir", str(tmp_path / "int8"), "--int8"], capsys)
+    assert "already converted" in convert_error(["--checkpoint-dir", path], capsys)
     cfg = json.load(open(tmp_path / "int8" / "config.json"))
     json.dump({**cfg, "quantization": None}, open(tmp_path / "int8" / "config.json", "w"))
     with pytest.raises(UserError, match="int8"):
