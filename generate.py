@@ -23,8 +23,9 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p
     if temperature == 0:
         return logits.argmax(-1)
     logits, ids, vocab = logits.float() / temperature, None, logits.shape[-1]
-    if 0 < top_k < vocab or top_p < 1:
-        logits, ids = logits.topk(top_k if 0 < top_k < vocab else vocab)  # sorted, largest first
+    k = top_k if 0 < top_k < vocab else vocab
+    if k < vocab or top_p < 1:
+        logits, ids = logits.topk(k)  # sorted, largest first
         if top_p < 1:  # keep the smallest head whose mass reaches top_p (the first candidate always stays)
             probs = logits.softmax(-1)
             logits = logits.masked_fill(probs.cumsum(-1) - probs >= top_p, float("-inf"))
