@@ -100,9 +100,6 @@ class Generator:
         state = self.state
         step = lambda kv_positions: decode_one_token(model, state, kv_positions, *sampling)
         if compile:  # the manual graph replaces cudagraph trees when both are asked for
-            # Turns the batch-1 matmuls into tuned Triton reductions (inductor's own comment: without it its
-            # matrix-vector products don't reach peak bandwidth); measured +29% on Qwen3-0.6B, H200.
-            torch._inductor.config.coordinate_descent_tuning = True
             step = torch.compile(step, mode=None if cuda_graph else "reduce-overhead", fullgraph=True)
         self.step = CUDAGraphStep(step, state) if cuda_graph else step
         self.prefill_model = torch.compile(model, dynamic=True) if compile_prefill else model

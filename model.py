@@ -7,6 +7,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+import kernels
+
 
 class UserError(Exception):
     """Bad input: the command-line tools print it as one line instead of a traceback."""
@@ -96,6 +98,21 @@ def linear(args: ModelArgs, n_in: int, n_out: int) -> nn.Module:
     return Int8Linear(n_in, n_out) if args.quantization == "int8" else nn.Linear(n_in, n_out, bias=False)
 
 
+def project(x: Tensor, proj: nn.Module, norm: RMSNorm | None = None, gated: bool = False,
+            residual: Tensor | None = None) -> Tensor:
+    """residual + proj(norm(x)), or proj(silu(gate) * up) of x = [gate, up]: one fused kernel for a decode token
+    on CUDA, PyTorch's ops (the reference) otherwise."""
+    if kernels.usable(x):
+        return kernels.gemv(x, proj.weight, getattr(proj, "scale", None), norm.weight if norm else None,
+                            norm.eps if norm else 0.0, gated, residual)
+    if norm is not None:
+        x = norm(x)
+    if gated:
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
+    return proj(x) if residual is None else residual + proj(x)
+
+
 class StaticKVCache(nn.Module):
     """Keys and values of one layer at absolute positions, one row per request slot: (slots, kv_heads, capacity,
     head_dim), zero-filled. A slot not yet written, or left over from a longer earlier request, sits at a position
@@ -129,13 +146,20 @@ class Attention(nn.Module):
         self.q_norm, self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps), RMSNorm(self.head_dim, args.rms_norm_eps)
         self.kv_cache: StaticKVCache | None = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, rows: slice, positions: Tensor) -> Tensor:
+    def forward(self, x: Tensor, norm: RMSNorm, cos: Tensor, sin: Tensor, mask: Tensor, rows: slice,
+                positions: Tensor) -> Tensor:
+        """x + attention(norm(x))."""
         R, T, _ = x.shape
-        q, k, v = self.qkv_proj(x).view(R, T, -1, self.head_dim).split([self.n_heads, self.n_kv, self.n_kv], dim=2)
+        qkv = project(x, self.qkv_proj, norm).view(R, T, -1, self.head_dim)
+        q, k, v = qkv.split([self.n_heads, self.n_kv, self.n_kv], dim=2)
         q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
         keys, values = self.kv_cache.update(rows, positions, k, v, mask.shape[-1])
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
-        return self.o_proj(y.transpose(1, 2).reshape(R, T, -1))
+        if kernels.usable(x):
+            y = kernels.decode_attention(q[:, 0], keys, values, positions[:, 0])
+        else:
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
+            y = y.transpose(1, 2)
+        return project(y.reshape(R, T, -1), self.o_proj, residual=x)
 
 
 class MLP(nn.Module):
@@ -144,9 +168,9 @@ class MLP(nn.Module):
         self.gate_up_proj = linear(args, args.hidden_size, 2 * args.intermediate_size)
         self.down_proj = linear(args, args.intermediate_size, args.hidden_size)
 
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: Tensor, norm: RMSNorm) -> Tensor:
+        """x + mlp(norm(x))."""
+        return project(project(x, self.gate_up_proj, norm), self.down_proj, gated=True, residual=x)
 
 
 class Block(nn.Module):
@@ -158,8 +182,7 @@ class Block(nn.Module):
         self.mlp = MLP(args)
 
     def forward(self, x: Tensor, *attn_args) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), *attn_args)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.mlp(self.self_attn(x, self.input_layernorm, *attn_args), self.post_attention_layernorm)
 
 
 class Transformer(nn.Module):
@@ -206,7 +229,7 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, mask, rows, positions)
         if last_only:
             x = x[:, -1:]
-        return self.lm_head(self.norm(x))
+        return project(x, self.lm_head, self.norm)
 
     @classmethod
     def from_checkpoint(cls, path: str, device, dtype) -> "Transformer":

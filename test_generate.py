@@ -592,8 +592,9 @@ def test_cli_bad_input_prints_no_traceback(tiny):
 # ---------------------------------------------------------------- CUDA (skipped without a GPU)
 
 @needs_cuda
-def test_cuda_eager_compile_graph_identical_greedy(tiny):
-    prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11]]
+@pytest.mark.parametrize("prompts", [[[1, 2, 3, 4]], [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11]]], ids=["batch1", "batch2"])
+def test_cuda_eager_compile_graph_identical_greedy(tiny, prompts):
+    """Batch 1 runs the Triton decode kernels, batch 2 PyTorch's ops."""
     eager = greedy(tiny, prompts, max_new=300, device="cuda")  # crosses the 256 -> 512 attended-length bucket
     for compile, graph in [(True, False), (False, True), (True, True)]:
         assert greedy(tiny, prompts, max_new=300, device="cuda", compile=compile, cuda_graph=graph) == eager
@@ -696,3 +697,74 @@ def test_cuda_int8_modes_identical_greedy(tmp_path):
     eager = greedy(q8, [[1, 2, 3]], max_new=40, device="cuda")
     for compile, graph in [(True, False), (False, True), (True, True)]:
         assert greedy(q8, [[1, 2, 3]], max_new=40, device="cuda", compile=compile, cuda_graph=graph) == eager
+
+
+# ---------------------------------------------------------------- Triton decode kernels
+
+KERNEL_CHECK = textwrap.dedent('''
+    import sys, torch, torch.nn.functional as F
+    sys.path.insert(0, {here!r})
+    import kernels, model as M
+    torch.manual_seed(0)
+    dev, dtype, tol = {device!r}, getattr(torch, {dtype!r}), {tol}
+    def close(a, b, what):
+        err = (a.float() - b.float()).abs().max().item() / max(1.0, b.float().abs().max().item())
+        assert err <= tol, (what, err)
+    for N, K in [(40, 48), (300, 1100)]:  # K above the kernel's block: several iterations, a ragged last one
+        x, w, res = torch.randn(1, 1, K), torch.randn(N, K) / K ** 0.5, torch.randn(1, 1, N)
+        norm = M.RMSNorm(K, 1e-6)
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5)
+        x, w, res, norm = x.to(dev, dtype), w.to(dev, dtype), res.to(dev, dtype), norm.to(dev, dtype)
+        lin = torch.nn.Linear(K, N, bias=False).to(dev, dtype)
+        lin.weight.data = w
+        close(kernels.gemv(x, w, None, norm.weight, 1e-6, False, res), res + lin(norm(x)), "norm+residual")
+        x2 = torch.randn(1, 1, 2 * K, device=dev, dtype=dtype)
+        close(kernels.gemv(x2, w, gated=True), lin(F.silu(x2[..., :K]) * x2[..., K:]), "gated")
+        q8 = M.Int8Linear(K, N).to(dev)
+        q8.weight, q8.scale = M.quantize_int8(w.float())
+        close(kernels.gemv(x, q8.weight, q8.scale), q8(x), "int8")
+    # GQA 1, 2, 8; query positions inside, at the end of and far below the attended prefix; a strided cache view
+    for R, H, KV, D, L, pos in [(1, 4, 4, 16, 37, [36]), (2, 16, 8, 128, 1500, [1499, 3]), (1, 8, 1, 64, 256, [99])]:
+        q = torch.randn(R, H, D, device=dev, dtype=dtype)
+        k, v = (torch.randn(R + 1, KV, L + 9, D, device=dev, dtype=dtype)[1:, :, :L] for _ in range(2))
+        p = torch.tensor(pos, device=dev)
+        mask = (torch.arange(L, device=dev) <= p[:, None])[:, None, None]
+        ref = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, enable_gqa=True)[:, :, 0]
+        close(kernels.decode_attention(q, k, v, p), ref, ("attention", R, H, KV, L))
+    print("ok")
+''')
+
+
+def kernel_check(device, dtype, tol, interpret):
+    env = {**os.environ, **({"TRITON_INTERPRET": "1"} if interpret else {})}
+    code = KERNEL_CHECK.format(here=HERE, device=device, dtype=dtype, tol=tol)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+def test_kernels_match_reference_ops_in_triton_interpreter():
+    """The Triton kernels, run by Triton's CPU interpreter (fp32: its bf16 is not exact), against PyTorch's ops."""
+    pytest.importorskip("triton")
+    kernel_check("cpu", "float32", 1e-5, interpret=True)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
+def test_cuda_kernels_match_reference_ops(dtype, tol):
+    kernel_check("cuda", dtype, tol, interpret=False)
+
+
+@needs_cuda
+def test_cuda_model_with_kernels_matches_reference_ops(tiny):
+    """A batch-1 decode token through the whole model, kernels on and off (fp32, so differences are rounding)."""
+    import kernels
+    model = load(tiny, capacity=512, device="cuda")
+    prompt = list(range(1, 300))
+    forward(model, prompt[:-1])
+    try:
+        kernels.ENABLED = False
+        ref = forward(model, prompt[-1:], start=len(prompt) - 1)
+    finally:
+        kernels.ENABLED = True
+    assert torch.allclose(forward(model, prompt[-1:], start=len(prompt) - 1), ref, atol=1e-4)
