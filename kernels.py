@@ -36,11 +36,8 @@ if triton is not None:
             if NORM:  # the 1/rms factor is applied at the end: it scales every output alike
                 squares += a * a
                 a = a * tl.load(norm + k, mask=k < K, other=0.0).to(tl.float32)
-            wt = tl.load(w + n[:, None] * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0)
-            if SCALE:  # int8 -> fp32 by integer add: the float with bits 2^23's + (w + 128) is 2^23 + w + 128,
-                # exact, and far cheaper than the hardware's int-to-float conversion, which bounds this loop
-                wt = (wt.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
-            acc += wt.to(tl.float32) * a[None, :]
+            acc += tl.load(w + n[:, None] * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K),
+                           other=0).to(tl.float32) * a[None, :]
         y = tl.sum(acc, axis=1)
         if NORM:
             y = y * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
@@ -51,37 +48,75 @@ if triton is not None:
         tl.store(out + n, y.to(out.dtype.element_ty), mask=n < N)
 
     @triton.jit
-    def _attention(q, k, v, pos, o, lse, kv_len, q_row, q_head, k_row, k_head, k_pos, sm_scale: tl.constexpr,
-                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                   BLOCK: tl.constexpr, SPLITS: tl.constexpr):
-        # Program (row, kv head, split): the GROUP query heads sharing one kv head, against the split's share of
-        # the row's live keys (positions <= the query's, so cost follows the live length, not the cache's);
-        # writes their softmax-normalised partial output and its log-sum-exp for the merge.
+    def _norm_rope(x, rows, rowmask, w, cos, sin, eps, HEAD_DIM: tl.constexpr, D: tl.constexpr):
+        # RMSNorm over each row's head_dim, times w, then RoPE in the split-halves layout: as q_norm/k_norm and
+        # apply_rope in model.py, in fp32.
+        d = tl.arange(0, D)
+        other = tl.where(d < HEAD_DIM // 2, d + HEAD_DIM // 2, d - HEAD_DIM // 2)  # rotate_half's partner
+        mask = rowmask[:, None] & (d[None, :] < HEAD_DIM)
+        xd = tl.load(x + rows[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        xo = tl.load(x + rows[:, None] + other[None, :], mask=mask, other=0.0).to(tl.float32)
+        wd = tl.load(w + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
+        wo = tl.load(w + other, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xd * xd, axis=1) / HEAD_DIM + eps)[:, None]
+        rotated = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)[None, :] * xo * wo[None, :] * sin[None, :]
+        return (xd * wd[None, :] * cos[None, :] + rotated) * rstd
+
+    @triton.jit
+    def _attention(qkv, k, v, pos, cos, sin, q_norm, k_norm, o, lse, kv_len, qkv_row, cs_row, k_row, k_head,
+                   k_pos, eps: tl.constexpr, sm_scale: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr):
+        # Program (row, kv head, split), from the row's fused q|k|v projection: normalises and rotates the GROUP
+        # query heads of kv head h and the new key, attends over the split's share of the row's live keys
+        # (positions <= the query's: cost follows the live length, not the cache's) and writes the softmax-
+        # normalised partial output and its log-sum-exp for the merge. The new key and value are used from
+        # registers, and split 0 writes them to the cache: no program reads position p from memory this step.
         r, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        heads, d = h * GROUP + tl.arange(0, G), tl.arange(0, D)
-        qmask = (tl.arange(0, G)[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
-        qt = tl.load(q + r * q_row + heads[:, None] * q_head + d[None, :], mask=qmask, other=0.0)
-        live = tl.minimum(kv_len, tl.load(pos + r) + 1)
+        g, d, dmask = tl.arange(0, G), tl.arange(0, D), tl.arange(0, D) < HEAD_DIM
+        p, H = tl.load(pos + r), GROUP * tl.num_programs(1)
+        cs = tl.load(cos + r * cs_row + d, mask=dmask, other=0.0).to(tl.float32)
+        sn = tl.load(sin + r * cs_row + d, mask=dmask, other=0.0).to(tl.float32)
+        row = qkv + r * qkv_row
+        qt = _norm_rope(row, (h * GROUP + g) * HEAD_DIM, g < GROUP, q_norm, cs, sn, eps, HEAD_DIM, D)
+        qt = qt.to(k.dtype.element_ty)  # rounded as the model's activations are
+        new_k = tl.sum(_norm_rope(row, (H + h) * HEAD_DIM + g * 0, g < 1, k_norm, cs, sn, eps, HEAD_DIM, D), axis=0)
+        new_k = new_k.to(k.dtype.element_ty)
+        new_v = tl.sum(tl.load(row + (H + tl.num_programs(1) + h) * HEAD_DIM + g[:, None] * 0 + d[None, :],
+                               mask=(g[:, None] < 1) & dmask[None, :], other=0.0), axis=0)
+        here = r * k_row + h * k_head + p * k_pos + d
+        tl.store(k + here, new_k, mask=dmask & (d * 0 + s == 0))
+        tl.store(v + here, new_v.to(v.dtype.element_ty), mask=dmask & (d * 0 + s == 0))
+        live = tl.minimum(kv_len, p + 1)
         chunk = tl.cdiv(tl.cdiv(live, SPLITS), BLOCK) * BLOCK
         lo = s * chunk
         hi = tl.minimum(lo + chunk, live)
+        end = tl.minimum(hi, p)  # keys before the new one
         m, l = tl.full([G], -1e30, tl.float32), tl.zeros([G], tl.float32)
         acc = tl.zeros([G, D], tl.float32)
-        for start in range(lo, hi, BLOCK):
+        for start in range(lo, end, BLOCK):
             j = start + tl.arange(0, BLOCK)
-            kvmask = (j[:, None] < hi) & (d[None, :] < HEAD_DIM)
+            kvmask = (j[:, None] < end) & dmask[None, :]
             offsets = r * k_row + h * k_head + j[:, None] * k_pos + d[None, :]
             kt, vt = tl.load(k + offsets, mask=kvmask, other=0.0), tl.load(v + offsets, mask=kvmask, other=0.0)
             scores = tl.dot(qt, tl.trans(kt), input_precision="ieee") * sm_scale
-            scores = tl.where(j[None, :] < hi, scores, float("-inf"))
+            scores = tl.where(j[None, :] < end, scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
-            p, alpha = tl.exp(scores - m_new[:, None]), tl.exp(m - m_new)
-            l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision="ieee")
+            e, alpha = tl.exp(scores - m_new[:, None]), tl.exp(m - m_new)
+            l = l * alpha + tl.sum(e, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(e.to(vt.dtype), vt, input_precision="ieee")
             m = m_new
-        out = (r * GROUP * tl.num_programs(1) + heads) * SPLITS + s  # index into (rows, heads, SPLITS)
-        tl.store(o + out[:, None] * HEAD_DIM + d[None, :], acc / tl.where(l > 0, l, 1.0)[:, None], mask=qmask)
-        tl.store(lse + out, m + tl.log(l), mask=tl.arange(0, G) < GROUP)  # -inf for an empty split
+        own = (lo <= p) & (p < hi)  # the split whose share holds the new key
+        score = tl.where(own, tl.sum(qt.to(tl.float32) * new_k.to(tl.float32)[None, :], axis=1) * sm_scale,
+                         float("-inf"))
+        m_new = tl.maximum(m, score)
+        e, alpha = tl.exp(score - m_new), tl.exp(m - m_new)
+        l = l * alpha + e
+        acc = acc * alpha[:, None] + e[:, None] * new_v.to(tl.float32)[None, :]
+        m = m_new
+        out = (r * H + h * GROUP + g) * SPLITS + s  # index into (rows, heads, SPLITS)
+        tl.store(o + out[:, None] * HEAD_DIM + d[None, :], acc / tl.where(l > 0, l, 1.0)[:, None],
+                 mask=(g[:, None] < GROUP) & dmask[None, :])
+        tl.store(lse + out, m + tl.log(l), mask=g < GROUP)  # -inf for an empty split
 
     @triton.jit
     def _merge(o, lse, out, HEAD_DIM: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):
@@ -111,20 +146,22 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale=None, norm=None, eps: floa
     return out
 
 
-def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                     splits: int = 32) -> torch.Tensor:
-    """q (R, heads, head_dim) at positions (R,) against keys/values (R, kv_heads, kv_len, head_dim) views of the
-    cache, attending to key positions <= the query's. Splits the keys so that a short batch still fills the GPU,
-    then merges the splits by their log-sum-exp."""
-    R, H, Dh = q.shape
-    kv_heads, kv_len = keys.shape[1], keys.shape[2]
-    o = torch.empty(R, H, splits, Dh, dtype=torch.float32, device=q.device)
-    lse = torch.empty(R, H, splits, dtype=torch.float32, device=q.device)
-    group, D = H // kv_heads, max(16, triton.next_power_of_2(Dh))
-    _attention[(R, kv_heads, splits)](q, keys, values, positions, o, lse, kv_len, q.stride(0), q.stride(1),
-                                      keys.stride(0), keys.stride(1), keys.stride(2), sm_scale=Dh ** -0.5,
-                                      GROUP=group, HEAD_DIM=Dh, G=max(16, triton.next_power_of_2(group)), D=D,
-                                      BLOCK=32, SPLITS=splits)
-    out = torch.empty(R, H, Dh, dtype=q.dtype, device=q.device)
-    _merge[(R * H,)](o, lse, out, HEAD_DIM=Dh, D=D, SPLITS=splits)
+def decode_attention(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float,
+                     heads: int, splits: int = 32) -> torch.Tensor:
+    """One query per row: qkv (R, 1, (heads + 2 kv_heads) * head_dim), the fused projection, at positions (R,);
+    keys/values (R, kv_heads, kv_len, head_dim) views of the cache, which gets the new key and value at the
+    positions; cos/sin (R, ..., head_dim) at the positions; q_norm/k_norm the RMSNorm weights. Attends to keys
+    at positions <= the query's, split over the keys so that one row still fills the GPU; returns
+    (R, heads, head_dim)."""
+    R, kv_heads, kv_len, Dh = keys.shape
+    o = torch.empty(R, heads, splits, Dh, dtype=torch.float32, device=qkv.device)
+    lse = torch.empty(R, heads, splits, dtype=torch.float32, device=qkv.device)
+    group, D = heads // kv_heads, max(16, triton.next_power_of_2(Dh))
+    _attention[(R, kv_heads, splits)](qkv, keys, values, positions, cos, sin, q_norm, k_norm, o, lse, kv_len,
+                                      qkv.stride(0), cos.stride(0), keys.stride(0), keys.stride(1), keys.stride(2),
+                                      eps=eps, sm_scale=Dh ** -0.5, GROUP=group, HEAD_DIM=Dh,
+                                      G=max(16, triton.next_power_of_2(group)), D=D, BLOCK=32, SPLITS=splits)
+    out = torch.empty(R, heads, Dh, dtype=qkv.dtype, device=qkv.device)
+    _merge[(R * heads,)](o, lse, out, HEAD_DIM=Dh, D=D, SPLITS=splits)
     return out

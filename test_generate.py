@@ -724,14 +724,32 @@ KERNEL_CHECK = textwrap.dedent('''
         q8 = M.Int8Linear(K, N).to(dev)
         q8.weight, q8.scale = M.quantize_int8(w.float())
         close(kernels.gemv(x, q8.weight, q8.scale), q8(x), "int8")
-    # GQA 1, 2, 8; query positions inside, at the end of and far below the attended prefix; a strided cache view
+    # GQA 1, 2, 8; queries at the end of, inside and far below the attended prefix (empty splits); cache views of
+    # a longer buffer with stale values everywhere, also at the positions being written
     for R, H, KV, D, L, pos in [(1, 4, 4, 16, 37, [36]), (2, 16, 8, 128, 1500, [1499, 3]), (1, 8, 1, 64, 256, [99])]:
-        q = torch.randn(R, H, D, device=dev, dtype=dtype)
-        k, v = (torch.randn(R + 1, KV, L + 9, D, device=dev, dtype=dtype)[1:, :, :L] for _ in range(2))
+        qkv = torch.randn(R, 1, (H + 2 * KV) * D, device=dev, dtype=dtype)
+        cache = [torch.randn(R, KV, L + 9, D, device=dev, dtype=dtype) for _ in range(2)]
         p = torch.tensor(pos, device=dev)
+        inv_freq = 1.0 / (1e6 ** (torch.arange(0, D, 2, dtype=torch.float) / D))
+        angles = torch.cat([p.cpu()[:, None].float() * inv_freq] * 2, dim=-1)[:, None, None].to(dev)
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        q_norm, k_norm = M.RMSNorm(D, 1e-6), M.RMSNorm(D, 1e-6)
+        with torch.no_grad():
+            q_norm.weight.uniform_(0.5, 1.5), k_norm.weight.uniform_(0.5, 1.5)
+        q_norm, k_norm = q_norm.to(dev, dtype), k_norm.to(dev, dtype)
+        q, k, v = qkv.view(R, 1, -1, D).split([H, KV, KV], dim=2)  # the reference: model.py's PyTorch path
+        q, k = M.apply_rope(q_norm(q), cos, sin), M.apply_rope(k_norm(k), cos, sin)
+        ref_cache = [c.clone() for c in cache]
+        for r in range(R):
+            ref_cache[0][r, :, pos[r]], ref_cache[1][r, :, pos[r]] = k[r, 0], v[r, 0]
         mask = (torch.arange(L, device=dev) <= p[:, None])[:, None, None]
-        ref = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, enable_gqa=True)[:, :, 0]
-        close(kernels.decode_attention(q, k, v, p), ref, ("attention", R, H, KV, L))
+        ref = F.scaled_dot_product_attention(q.transpose(1, 2), ref_cache[0][:, :, :L], ref_cache[1][:, :, :L],
+                                             attn_mask=mask, enable_gqa=True)[:, :, 0]
+        out = kernels.decode_attention(qkv, cache[0][:, :, :L], cache[1][:, :, :L], p, cos, sin, q_norm.weight,
+                                       k_norm.weight, 1e-6, H)
+        close(out, ref, ("attention", R, H, KV, L))
+        close(cache[0], ref_cache[0], "keys written")
+        close(cache[1], ref_cache[1], "values written")
     print("ok")
 ''')
 
@@ -747,6 +765,32 @@ def test_kernels_match_reference_ops_in_triton_interpreter():
     """The Triton kernels, run by Triton's CPU interpreter (fp32: its bf16 is not exact), against PyTorch's ops."""
     pytest.importorskip("triton")
     kernel_check("cpu", "float32", 1e-5, interpret=True)
+
+
+def test_model_with_kernels_in_triton_interpreter(tiny):
+    """model.py's glue around the kernels (cache views, strides, positions), on the CPU: greedy tokens of a
+    batch-1 decode with the kernels equal those of PyTorch's ops, across the 256 -> 512 attended-length change."""
+    pytest.importorskip("triton")
+    code = textwrap.dedent(f'''
+        import sys, torch
+        sys.path.insert(0, {HERE!r})
+        import kernels, generate as G
+        from model import Transformer
+        kernels.usable = lambda x: kernels.ENABLED and x.numel() == x.shape[-1]  # let the CPU in
+        def run():
+            model = Transformer.from_checkpoint({tiny!r}, "cpu", torch.float32)
+            tokens = G.Generator(model, 1, 320, (0.0, 0, 1.0)).generate([list(range(1, 251))], 12, set())[0][0]
+            return tokens, [c for layer in model.layers for c in layer.self_attn.kv_cache.buffers()]
+        tokens, cache = run()
+        kernels.ENABLED = False
+        ref_tokens, ref_cache = run()
+        assert tokens == ref_tokens, "tokens differ"
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(cache, ref_cache)), "caches differ"
+        print("ok")
+    ''')
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
 
 
 @needs_cuda
