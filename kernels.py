@@ -63,7 +63,7 @@ if triton is not None:
         return (xd * wd[None, :] * cos[None, :] + rotated) * rstd
 
     @triton.jit
-    def _attention(qkv, k, v, pos, cos, sin, q_norm, k_norm, o, lse, kv_len, qkv_row, cs_row, k_row, k_head,
+    def _attention(qkv, k, v, first_row, pos, cos, sin, q_norm, k_norm, o, lse, qkv_row, cs_row, k_row, k_head,
                    k_pos, eps: tl.constexpr, sm_scale: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr):
         # Program (row, kv head, split), from the row's fused q|k|v projection: normalises and rotates the GROUP
@@ -83,20 +83,20 @@ if triton is not None:
         new_k = new_k.to(k.dtype.element_ty)
         new_v = tl.sum(tl.load(row + (H + tl.num_programs(1) + h) * HEAD_DIM + g[:, None] * 0 + d[None, :],
                                mask=(g[:, None] < 1) & dmask[None, :], other=0.0), axis=0)
-        here = r * k_row + h * k_head + p * k_pos + d
+        cache = (first_row + r) * k_row + h * k_head
+        here = cache + p * k_pos + d
         tl.store(k + here, new_k, mask=dmask & (d * 0 + s == 0))
         tl.store(v + here, new_v.to(v.dtype.element_ty), mask=dmask & (d * 0 + s == 0))
-        live = tl.minimum(kv_len, p + 1)
-        chunk = tl.cdiv(tl.cdiv(live, SPLITS), BLOCK) * BLOCK
+        chunk = tl.cdiv(tl.cdiv(p + 1, SPLITS), BLOCK) * BLOCK
         lo = s * chunk
-        hi = tl.minimum(lo + chunk, live)
+        hi = tl.minimum(lo + chunk, p + 1)
         end = tl.minimum(hi, p)  # keys before the new one
         m, l = tl.full([G], -1e30, tl.float32), tl.zeros([G], tl.float32)
         acc = tl.zeros([G, D], tl.float32)
         for start in range(lo, end, BLOCK):
             j = start + tl.arange(0, BLOCK)
             kvmask = (j[:, None] < end) & dmask[None, :]
-            offsets = r * k_row + h * k_head + j[:, None] * k_pos + d[None, :]
+            offsets = cache + j[:, None] * k_pos + d[None, :]
             kt, vt = tl.load(k + offsets, mask=kvmask, other=0.0), tl.load(v + offsets, mask=kvmask, other=0.0)
             scores = tl.dot(qt, tl.trans(kt), input_precision="ieee") * sm_scale
             scores = tl.where(j[None, :] < end, scores, float("-inf"))
@@ -146,21 +146,21 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale=None, norm=None, eps: floa
     return out
 
 
-def decode_attention(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                     cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float,
-                     heads: int, splits: int = 32) -> torch.Tensor:
-    """One query per row: qkv (R, 1, (heads + 2 kv_heads) * head_dim), the fused projection, at positions (R,);
-    keys/values (R, kv_heads, kv_len, head_dim) views of the cache, which gets the new key and value at the
-    positions; cos/sin (R, ..., head_dim) at the positions; q_norm/k_norm the RMSNorm weights. Attends to keys
-    at positions <= the query's, split over the keys so that one row still fills the GPU; returns
-    (R, heads, head_dim)."""
-    R, kv_heads, kv_len, Dh = keys.shape
+def decode_attention(qkv: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, first_row: int,
+                     positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.Tensor,
+                     k_norm: torch.Tensor, eps: float, heads: int, splits: int = 32) -> torch.Tensor:
+    """One query per row: qkv (R, 1, (heads + 2 kv_heads) * head_dim), the fused projection, at positions (R,)
+    of cache rows first_row ... first_row + R - 1 of cache_k/cache_v (slots, kv_heads, capacity, head_dim), which
+    get the new key and value there; cos/sin (R, ..., head_dim) at the positions; q_norm/k_norm the RMSNorm
+    weights. Attends to keys at positions <= the query's, split over the keys so that one row still fills the
+    GPU; returns (R, heads, head_dim)."""
+    R, (kv_heads, Dh) = qkv.shape[0], cache_k.shape[1::2]
     o = torch.empty(R, heads, splits, Dh, dtype=torch.float32, device=qkv.device)
     lse = torch.empty(R, heads, splits, dtype=torch.float32, device=qkv.device)
     group, D = heads // kv_heads, max(16, triton.next_power_of_2(Dh))
-    _attention[(R, kv_heads, splits)](qkv, keys, values, positions, cos, sin, q_norm, k_norm, o, lse, kv_len,
-                                      qkv.stride(0), cos.stride(0), keys.stride(0), keys.stride(1), keys.stride(2),
-                                      eps=eps, sm_scale=Dh ** -0.5, GROUP=group, HEAD_DIM=Dh,
+    _attention[(R, kv_heads, splits)](qkv, cache_k, cache_v, first_row, positions, cos, sin, q_norm, k_norm, o,
+                                      lse, qkv.stride(0), cos.stride(0), *cache_k.stride()[:3], eps=eps,
+                                      sm_scale=Dh ** -0.5, GROUP=group, HEAD_DIM=Dh,
                                       G=max(16, triton.next_power_of_2(group)), D=D, BLOCK=32, SPLITS=splits)
     out = torch.empty(R, heads, Dh, dtype=qkv.dtype, device=qkv.device)
     _merge[(R * heads,)](o, lse, out, HEAD_DIM=Dh, D=D, SPLITS=splits)

@@ -152,9 +152,8 @@ class Attention(nn.Module):
         R, T, _ = x.shape
         qkv, cache, kv_len = project(x, self.qkv_proj, norm), self.kv_cache, mask.shape[-1]
         if kernels.usable(x):  # norms, RoPE, cache write and attention in one kernel
-            y = kernels.decode_attention(qkv, cache.k[rows, :, :kv_len], cache.v[rows, :, :kv_len], positions[:, 0],
-                                         cos, sin, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                                         self.n_heads)
+            y = kernels.decode_attention(qkv, cache.k, cache.v, rows.start or 0, positions[:, 0], cos, sin,
+                                         self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.n_heads)
         else:
             q, k, v = qkv.view(R, T, -1, self.head_dim).split([self.n_heads, self.n_kv, self.n_kv], dim=2)
             q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)

@@ -360,6 +360,16 @@ def test_sample_matches_exact_distribution(temperature, top_k, top_p):
         assert (probs == 0).sum() > 0  # the filter really removed something here
 
 
+def test_two_stage_top_k_equals_torch_topk():
+    torch.manual_seed(7)
+    x = torch.randn(3, 128 * 37)
+    x[1, 500:900] = 9.0 - torch.arange(400) * 1e-3  # the best 37 all in one chunk
+    for k in (1, 5, 20, 37, 40):  # 40: more than a chunk holds, so one stage
+        values, ids = G.topk(x, k)
+        ref_values, ref_ids = x.topk(k)
+        assert torch.equal(values, ref_values) and torch.equal(ids, ref_ids), k
+
+
 def test_sample_greedy_and_wrong_distribution_is_detected():
     logits = torch.randn(4, 50)
     assert torch.equal(G.sample(logits), logits.argmax(-1))
@@ -726,9 +736,10 @@ KERNEL_CHECK = textwrap.dedent('''
         close(kernels.gemv(x, q8.weight, q8.scale), q8(x), "int8")
     # GQA 1, 2, 8; queries at the end of, inside and far below the attended prefix (empty splits); cache views of
     # a longer buffer with stale values everywhere, also at the positions being written
-    for R, H, KV, D, L, pos in [(1, 4, 4, 16, 37, [36]), (2, 16, 8, 128, 1500, [1499, 3]), (1, 8, 1, 64, 256, [99])]:
+    for R, H, KV, D, L, pos, first in [(1, 4, 4, 16, 37, [36], 0), (2, 16, 8, 128, 1500, [1499, 3], 0),
+                                       (1, 8, 1, 64, 256, [99], 2)]:  # first: the cache row the batch starts at
         qkv = torch.randn(R, 1, (H + 2 * KV) * D, device=dev, dtype=dtype)
-        cache = [torch.randn(R, KV, L + 9, D, device=dev, dtype=dtype) for _ in range(2)]
+        cache = [torch.randn(first + R + 1, KV, L, D, device=dev, dtype=dtype) for _ in range(2)]
         p = torch.tensor(pos, device=dev)
         inv_freq = 1.0 / (1e6 ** (torch.arange(0, D, 2, dtype=torch.float) / D))
         angles = torch.cat([p.cpu()[:, None].float() * inv_freq] * 2, dim=-1)[:, None, None].to(dev)
@@ -741,12 +752,12 @@ KERNEL_CHECK = textwrap.dedent('''
         q, k = M.apply_rope(q_norm(q), cos, sin), M.apply_rope(k_norm(k), cos, sin)
         ref_cache = [c.clone() for c in cache]
         for r in range(R):
-            ref_cache[0][r, :, pos[r]], ref_cache[1][r, :, pos[r]] = k[r, 0], v[r, 0]
+            ref_cache[0][first + r, :, pos[r]], ref_cache[1][first + r, :, pos[r]] = k[r, 0], v[r, 0]
         mask = (torch.arange(L, device=dev) <= p[:, None])[:, None, None]
-        ref = F.scaled_dot_product_attention(q.transpose(1, 2), ref_cache[0][:, :, :L], ref_cache[1][:, :, :L],
-                                             attn_mask=mask, enable_gqa=True)[:, :, 0]
-        out = kernels.decode_attention(qkv, cache[0][:, :, :L], cache[1][:, :, :L], p, cos, sin, q_norm.weight,
-                                       k_norm.weight, 1e-6, H)
+        ref = F.scaled_dot_product_attention(q.transpose(1, 2), ref_cache[0][first:first + R],
+                                             ref_cache[1][first:first + R], attn_mask=mask, enable_gqa=True)[:, :, 0]
+        out = kernels.decode_attention(qkv, cache[0], cache[1], first, p, cos, sin, q_norm.weight, k_norm.weight,
+                                       1e-6, H)
         close(out, ref, ("attention", R, H, KV, L))
         close(cache[0], ref_cache[0], "keys written")
         close(cache[1], ref_cache[1], "values written")
@@ -762,8 +773,11 @@ def kernel_check(device, dtype, tol, interpret):
 
 
 def test_kernels_match_reference_ops_in_triton_interpreter():
-    """The Triton kernels, run by Triton's CPU interpreter (fp32: its bf16 is not exact), against PyTorch's ops."""
+    """The Triton kernels, run by Triton's CPU interpreter (fp32: its bf16 is not exact), against PyTorch's ops.
+    On a GPU the CUDA tests below run the same checks on the hardware instead."""
     pytest.importorskip("triton")
+    if CUDA:
+        pytest.skip("CUDA is present: test_cuda_kernels_match_reference_ops runs these checks")
     kernel_check("cpu", "float32", 1e-5, interpret=True)
 
 
@@ -771,6 +785,8 @@ def test_model_with_kernels_in_triton_interpreter(tiny):
     """model.py's glue around the kernels (cache views, strides, positions), on the CPU: greedy tokens of a
     batch-1 decode with the kernels equal those of PyTorch's ops, across the 256 -> 512 attended-length change."""
     pytest.importorskip("triton")
+    if CUDA:
+        pytest.skip("CUDA is present: test_cuda_model_with_kernels_matches_reference_ops runs this on the GPU")
     code = textwrap.dedent(f'''
         import sys, torch
         sys.path.insert(0, {HERE!r})
