@@ -360,6 +360,16 @@ def test_sample_matches_exact_distribution(temperature, top_k, top_p):
         assert (probs == 0).sum() > 0  # the filter really removed something here
 
 
+def test_two_stage_top_k_equals_torch_topk():
+    torch.manual_seed(7)
+    x = torch.randn(3, 128 * 37)
+    x[1, 500:900] = 9.0 - torch.arange(400) * 1e-3  # the best 37 all in one chunk
+    for k in (1, 5, 20, 37, 40):  # 40: more than a chunk holds, so one stage
+        values, ids = G.topk(x, k)
+        ref_values, ref_ids = x.topk(k)
+        assert torch.equal(values, ref_values) and torch.equal(ids, ref_ids), k
+
+
 def test_sample_greedy_and_wrong_distribution_is_detected():
     logits = torch.randn(4, 50)
     assert torch.equal(G.sample(logits), logits.argmax(-1))
