@@ -361,24 +361,20 @@ def run(a):
             for text, tokens in zip(texts, out):
                 print(f"--- {text}\n{decode(tokens)}")
         steps_s = stats["steps"] / stats["decode_s"] if stats["steps"] else 0.0
+        peak = torch.cuda.max_memory_allocated() if a.device.startswith("cuda") else \
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         kv_bytes = 2 * model.args.num_hidden_layers * model.args.num_key_value_heads * model.args.head_dim * \
             dtype.itemsize * stats["kv_read"] * len(prompts)
         runs.append({"run": i, "warmup": a.num_samples > 1 and i == 0, "prompt_tokens": longest,
                      "new_tokens": [len(t) for t in out], "ttft_s": round(stats["prefill_s"], 4),
                      "decode_tok_s": round(steps_s, 1), "aggregate_tok_s": round(steps_s * len(prompts), 1),
                      "GB_s": round((nbytes * stats["steps"] + kv_bytes) / stats["decode_s"] / 1e9, 1)
-                     if stats["steps"] else 0.0, "peak_mem_GB": round(peak_memory(a.device) / 1e9, 2)})
+                     if stats["steps"] else 0.0, "peak_mem_GB": round(peak / 1e9, 2)})
         print(json.dumps(runs[-1]), file=sys.stderr)
     measured = [r for r in runs if not r["warmup"]]
     mean = {k: round(sum(r[k] for r in measured) / len(measured), 4) for k in ("ttft_s", "decode_tok_s", "GB_s")}
     print(json.dumps({"summary": mean, "runs": len(measured), "weights_GB": round(nbytes / 1e9, 3),
                       "compile": a.compile, "cuda_graph": a.cuda_graph, "batch": len(prompts)}), file=sys.stderr)
-
-
-def peak_memory(device: str) -> int:
-    if device.startswith("cuda"):
-        return torch.cuda.max_memory_allocated()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def chat(gen: Generator, a, encode, decode, stop_ids: set) -> None:

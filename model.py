@@ -150,14 +150,14 @@ class Attention(nn.Module):
                 positions: Tensor) -> Tensor:
         """x + attention(norm(x))."""
         R, T, _ = x.shape
-        qkv, cache, kv_len = project(x, self.qkv_proj, norm), self.kv_cache, mask.shape[-1]
+        qkv, cache = project(x, self.qkv_proj, norm), self.kv_cache
         if kernels.usable(x):  # norms, RoPE, cache write and attention in one kernel
             y = kernels.decode_attention(qkv, cache.k, cache.v, rows.start or 0, positions[:, 0], cos, sin,
                                          self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.n_heads)
         else:
             q, k, v = qkv.view(R, T, -1, self.head_dim).split([self.n_heads, self.n_kv, self.n_kv], dim=2)
             q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
-            keys, values = cache.update(rows, positions, k, v, kv_len)
+            keys, values = cache.update(rows, positions, k, v, mask.shape[-1])
             y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
             y = y.transpose(1, 2)
         return project(y.reshape(R, T, -1), self.o_proj, residual=x)

@@ -761,6 +761,10 @@ KERNEL_CHECK = textwrap.dedent('''
         close(out, ref, ("attention", R, H, KV, L))
         close(cache[0], ref_cache[0], "keys written")
         close(cache[1], ref_cache[1], "values written")
+    # torch.compile sees the kernels as custom ops: their declared mutations and fake (shape-only) versions
+    args = (qkv, cache[0], cache[1], first, p, cos, sin, q_norm.weight.detach(), k_norm.weight.detach(), 1e-6, H)
+    torch.library.opcheck(torch.ops.qwen3_fast.decode_attention, args)
+    torch.library.opcheck(torch.ops.qwen3_fast.gemv, (x, w, None, norm.weight.detach(), 1e-6, False, res))
     print("ok")
 ''')
 
