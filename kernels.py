@@ -136,7 +136,7 @@ if triton is not None:
 def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | None = None, eps: float = 0.0,
          gated: bool = False, residual: Tensor | None = None) -> Tensor:
     """residual + (weight @ a) * scale for one token x, where a is RMSNorm(x) * norm with `norm`, silu(gate) * up
-    of x = [gate, up] with `gated`, else x. weight (N, K) in x's dtype or int8 with per-row fp32 `scale`."""
+    of x = [gate, up] with `gated`, else x. weight (N, K) in x's dtype or int8 with a per-row `scale`."""
     N, K = weight.shape
     out = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
     # From a sweep on the H200 over the 0.6B-8B shapes (rows 1-16, block 256-1024, 1-8 warps): few rows per
