@@ -6,7 +6,8 @@
 #   GREEDY=1: greedy decoding, as the transformers peer (hf_peer.py: do_sample=False)
 # Decode tok/s two ways: from two generation lengths in the same process, (n2 - n1) / (t2 - t1), which cancels
 # prefill, and generate()'s own clock from the first token to the last. Sampling: Qwen3's defaults (T 0.6, top-k 20,
-# top-p 0.95) unless GREEDY=1. Also the time to the first decoded token including compilation (the first call of the process).
+# top-p 0.95) unless GREEDY=1. Also the time to the first decoded token including compilation (the first call of the
+# process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SIZE=$1 MODE=$2 BATCH=${3:-1} CACHE=${4:-1024} INT8=${5:-} PROMPT=${PROMPT:-128} N1=${N1:-64} N2=${N2:-320} python3 - <<'PY'
@@ -19,7 +20,8 @@ n1, n2 = int(e["N1"]), int(e["N2"])
 torch._inductor.config.coordinate_descent_tuning = e.get("CDT") == "1"  # CDT=1: inductor tunes its reductions
 t0 = time.perf_counter()
 model = G.dummy_model(size, e["INT8"] == "int8", "cuda", torch.bfloat16)
-gen = G.Generator(model, batch, cache, (0, 0, 1) if e.get("GREEDY") else (0.6, 20, 0.95), "compile" in mode, "graph" in mode)
+sampling = (0, 0, 1) if e.get("GREEDY") else (0.6, 20, 0.95)
+gen = G.Generator(model, batch, cache, sampling, "compile" in mode, "graph" in mode)
 torch.manual_seed(0)
 prompts = [torch.randint(0, 151643, (prompt_len,)).tolist() for _ in range(batch)]
 t1 = time.perf_counter()
@@ -39,7 +41,8 @@ for _ in range(3):
 nbytes = G.weight_bytes(model)
 best = max(rates)
 print(json.dumps({"size": size, "mode": mode, "kernels": kernels.ENABLED,
-                  "cdt": torch._inductor.config.coordinate_descent_tuning, "batch": batch, "cache_len": cache, "int8": e["INT8"] == "int8", "greedy": bool(e.get("GREEDY")),
+                  "cdt": torch._inductor.config.coordinate_descent_tuning, "batch": batch, "cache_len": cache,
+                  "int8": e["INT8"] == "int8", "greedy": bool(e.get("GREEDY")),
                   "decode_tok_s": round(best, 1), "aggregate_tok_s": round(best * batch, 1),
                   "direct_tok_s": round(max(direct), 1), "all": [round(r, 1) for r in rates],
                   "weights_GB": round(nbytes / 1e9, 3), "GB_s": round(best * nbytes / 1e9, 1),
