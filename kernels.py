@@ -130,6 +130,38 @@ if triton is not None:
         tl.store(out + i * HEAD_DIM + d, y.to(out.dtype.element_ty), mask=d < HEAD_DIM)
 
 
+    @triton.jit
+    def _chunk_best(logits, values, ids, V, temperature, K: tl.constexpr, BLOCK: tl.constexpr):
+        # Program (row, chunk of BLOCK logits): its K largest logits / T and their ids, by K rounds of max-and-
+        # remove (K is small; a sort of the chunk measured 2.6x slower than torch.topk).
+        r, c, j = tl.program_id(0), tl.program_id(1), tl.arange(0, BLOCK)
+        v = tl.load(logits + r * V + c * BLOCK + j, mask=c * BLOCK + j < V, other=float("-inf")).to(tl.float32)
+        v, out = v / temperature, (r * tl.num_programs(1) + c) * K
+        for n in tl.static_range(K):
+            m, at = tl.max(v, axis=0, return_indices=True)
+            tl.store(values + out + n, m)
+            tl.store(ids + out + n, c * BLOCK + at)
+            v = tl.where(j == at, float("-inf"), v)
+
+    @triton.jit
+    def _pick(values, ids, seed, token, N, top_p, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
+        # Program per row: the K best of the chunks' candidates, in order, then top-p over them (a candidate stays
+        # while the mass before it is < top_p) and Gumbel-max: argmax(v + g), g = -log(-log(u)), is an exact draw
+        # from softmax(v) over the ones kept.
+        r, j, n = tl.program_id(0), tl.arange(0, BLOCK), tl.arange(0, KP)
+        v = tl.load(values + r * N + j, mask=j < N, other=float("-inf"))
+        best, who = tl.full([KP], float("-inf"), tl.float32), tl.zeros([KP], tl.int64)
+        for q in tl.static_range(K):
+            m, at = tl.max(v, axis=0, return_indices=True)
+            best, who = tl.where(n == q, m, best), tl.where(n == q, tl.load(ids + r * N + at), who)
+            v = tl.where(j == at, float("-inf"), v)
+        p = tl.exp(best - tl.max(best, axis=0))
+        p = p / tl.sum(p, axis=0)
+        kept = (tl.cumsum(p, axis=0) - p < top_p) & (n < K)
+        g = -tl.log(-tl.log(tl.rand(tl.load(seed), r * KP + n)))
+        choice = tl.argmax(tl.where(kept, best + g, float("-inf")), axis=0)
+        tl.store(token + r, tl.sum(tl.where(n == choice, who, 0), axis=0))
+
 # Custom ops: torch.compile calls them as they are instead of analysing the kernels at each call site (five a
 # layer), which was most of its compile time (measured on the H200, 0.6B, cold: 46 s -> 15 s to the first token).
 @torch.library.custom_op("qwen3_fast::gemv", mutates_args=())
@@ -175,3 +207,21 @@ def decode_attention(qkv: Tensor, cache_k: Tensor, cache_v: Tensor, first_row: i
 
 
 decode_attention.register_fake(lambda qkv, cache_k, *args: qkv.new_empty(qkv.shape[0], args[-1], cache_k.shape[-1]))
+
+
+@torch.library.custom_op("qwen3_fast::sample", mutates_args=())
+def sample(logits: Tensor, seed: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
+    """Token ids (R,) drawn from softmax(logits / temperature) (R, V) cut to the top_k (<= 64) largest, then to
+    top_p, with Gumbel noise from `seed` (a 1-element int tensor): two kernels, the best top_k of each chunk of
+    1,024 logits, then the draw."""
+    R, V = logits.shape
+    chunks = triton.cdiv(V, 1024)
+    values = torch.empty(R, chunks * top_k, dtype=torch.float32, device=logits.device)
+    ids, token = torch.empty(R, chunks * top_k, dtype=torch.long, device=logits.device), values.new_empty(R, dtype=torch.long)
+    _chunk_best[(R, chunks)](logits, values, ids, V, temperature, K=top_k, BLOCK=min(1024, triton.next_power_of_2(V)))
+    _pick[(R,)](values, ids, seed, token, chunks * top_k, top_p, K=top_k, KP=triton.next_power_of_2(top_k),
+                BLOCK=triton.next_power_of_2(chunks * top_k), num_warps=8)
+    return token
+
+
+sample.register_fake(lambda logits, *args: logits.new_empty(len(logits), dtype=torch.long))
