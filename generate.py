@@ -14,8 +14,6 @@ import torch
 import kernels
 from model import ModelArgs, Transformer, UserError, quantize_int8
 
-DEFAULT_CHECKPOINT = "checkpoints/Qwen/Qwen3-0.6B/converted"
-
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """Next ids (R,) from logits (R, V) without a host sync. Greedy at temperature 0; otherwise Gumbel-max:
@@ -24,7 +22,9 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p
     if temperature == 0:
         return logits.argmax(-1)
     if kernels.ENABLED and logits.is_cuda and 0 < top_k <= 64:  # in two kernels instead of ~25
-        return kernels.sample(logits, torch.randint(2 ** 31 - 1, (1,), device=logits.device), temperature, top_k, top_p)
+        # float(): fed straight from the model's custom ops, inductor (torch 2.11) took minutes to lower this one
+        seed = torch.randint(2 ** 31 - 1, (1,), device=logits.device)
+        return kernels.sample(logits.float(), seed, temperature, top_k, top_p)
     logits, ids, vocab = logits.float() / temperature, None, logits.shape[-1]
     k = top_k if 0 < top_k < vocab else vocab
     if k < vocab or top_p < 1:
@@ -99,8 +99,7 @@ class Generator:
                  cuda_graph: bool = False, compile_prefill: bool = False):
         model.setup_cache(batch, capacity)
         self.model, self.capacity, self.sampling = model, capacity, sampling
-        self.state = DecodeState(batch, capacity, model.norm.weight.device)
-        state = self.state
+        self.state = state = DecodeState(batch, capacity, model.norm.weight.device)
         step = lambda kv_positions: decode_one_token(model, state, kv_positions, *sampling)
         if compile:  # the manual graph replaces cudagraph trees when both are asked for
             step = torch.compile(step, mode=None if cuda_graph else "reduce-overhead", fullgraph=True)
@@ -177,11 +176,9 @@ class TextStream:
         self.decode, self.file, self.printed = decode, file, ""
 
     def __call__(self, rows: list[list[int]], final: bool = False) -> None:
-        text = self.decode(rows[0])
-        text = text if final else text.rstrip("\ufffd")
+        text = self.decode(rows[0]) if final else self.decode(rows[0]).rstrip("\ufffd")
         if len(text) > len(self.printed):
-            self.file.write(text[len(self.printed):])
-            self.file.flush()
+            print(text[len(self.printed):], end="", file=self.file, flush=True)
             self.printed = text
 
 
@@ -197,14 +194,11 @@ def dummy_model(name: str, int8: bool, device, dtype) -> Transformer:
     args = ModelArgs.from_name(name)
     with torch.device(device):
         model = Transformer(args).to(dtype)
-    if int8:  # quantize what the int8 model has scales for, as the converter does
+    if int8:  # every projection in the blocks, as the converter does (from_state_dict checks the names)
         args.quantization, state = "int8", model.state_dict()
-        with torch.device("meta"):
-            scales = [k for k in Transformer(args).state_dict() if k.endswith(".scale")]
-        for scale_name in scales:
-            weight = scale_name.removesuffix(".scale") + ".weight"
-            state[weight], scale = quantize_int8(state[weight])
-            state[scale_name] = scale.to(dtype)
+        for name in [n for n in state if n.startswith("layers.") and n.endswith("_proj.weight")]:
+            state[name], scale = quantize_int8(state[name])
+            state[name.removesuffix("weight") + "scale"] = scale.to(dtype)
         model = Transformer.from_state_dict(args, state)
     return model.eval()
 
@@ -219,7 +213,8 @@ def weight_bytes(model: Transformer) -> int:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     g = ap.add_argument_group("model")
-    g.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, help="a directory written by convert_hf_checkpoint.py")
+    g.add_argument("--checkpoint", default="checkpoints/Qwen/Qwen3-0.6B/converted",
+                   help="a directory written by convert_hf_checkpoint.py")
     g.add_argument("--dummy", metavar="NAME", help="benchmarks: random weights of a preset (0.6B, 1.7B, ..., 32B)")
     g.add_argument("--int8", action="store_true", help="with --dummy: int8 weights (checkpoints say it themselves)")
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -252,32 +247,28 @@ def parse_args(argv=None):
     checks = [(a.temperature is not None and a.temperature < 0, "--temperature must be >= 0"),
               (a.top_p is not None and not 0 < a.top_p <= 1, "--top-p must be in (0, 1]"),
               (a.top_k is not None and a.top_k < 0, "--top-k must be >= 0"),
-              (a.max_new_tokens < 1 or a.check_every < 1 or a.num_samples < 1,
-               "--max-new-tokens, --check-every and --num-samples must be >= 1"),
+              (min(a.max_new_tokens, a.check_every, a.num_samples, a.batch, a.prompt_tokens or 1) < 1,
+               "--max-new-tokens, --check-every, --num-samples, --batch and --prompt-tokens must be >= 1"),
               (a.cuda_graph and not (a.device.startswith("cuda") and torch.cuda.is_available()),
                "--cuda-graph needs a CUDA device"),
               (a.device.startswith("cuda") and not torch.cuda.is_available(), "no CUDA device: use --device cpu"),
               (a.int8 and not a.dummy, "--int8 goes with --dummy; quantize checkpoints with convert_hf_checkpoint.py"),
+              (a.prompt_file and not os.path.isfile(a.prompt_file), f"no prompt file at {a.prompt_file}"),
               (a.interactive and (a.prompt or a.prompt_file or a.prompt_tokens or a.dummy),
                "--interactive reads its prompts from the terminal and needs a checkpoint"),
               (a.dummy and not a.prompt_tokens, "--dummy has no tokenizer: give --prompt-tokens N"),
-              (a.prompt_tokens is not None and a.prompt_tokens < 1, "--prompt-tokens must be >= 1"),
               (a.prompt_tokens and (a.prompt or a.prompt_file or a.chat), "--prompt-tokens replaces the text prompts"),
               (a.batch != 1 and not a.prompt_tokens, "--batch goes with --prompt-tokens; for text, repeat --prompt"),
-              (a.batch < 1, "--batch must be >= 1"),
               ((a.system or a.no_think) and not (a.chat or a.interactive), "--system and --no-think go with --chat")]
     for bad, message in checks:
         if bad:
             raise UserError(message)
-    if a.dummy:
-        ModelArgs.from_name(a.dummy)
     return a
 
 
 def main(argv=None):
     try:
-        a = parse_args(argv)
-        run(a)
+        run(parse_args(argv))
     except UserError as e:
         sys.exit(f"error: {e}")
     except (KeyboardInterrupt, EOFError):
@@ -288,19 +279,11 @@ def run(a):
     if a.seed is not None:
         torch.manual_seed(a.seed)
     dtype = getattr(torch, a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32"))
-    gen_cfg, encode, decode = {}, None, None
-    if a.dummy:
-        max_positions = ModelArgs.from_name(a.dummy).max_position_embeddings
-    else:
-        if not os.path.isfile(os.path.join(a.checkpoint, "config.json")):
-            raise UserError(f"no converted checkpoint at {a.checkpoint}: run python convert_hf_checkpoint.py "
-                            f"--repo Qwen/Qwen3-0.6B (or --checkpoint-dir DIR), then pass --checkpoint DIR/converted")
-        with open(os.path.join(a.checkpoint, "config.json")) as f:
-            max_positions = ModelArgs.from_config(json.load(f)).max_position_embeddings
-        if os.path.isfile(os.path.join(a.checkpoint, "generation_config.json")):
-            with open(os.path.join(a.checkpoint, "generation_config.json")) as f:
-                gen_cfg = json.load(f)
-        encode, decode = load_tokenizer(a.checkpoint)
+    model = dummy_model(a.dummy, a.int8, a.device, dtype) if a.dummy else \
+        Transformer.from_checkpoint(a.checkpoint, a.device, dtype)
+    gen_path = os.path.join(a.checkpoint, "generation_config.json")
+    gen_cfg = {} if a.dummy or not os.path.isfile(gen_path) else json.load(open(gen_path))
+    encode, decode = (None, None) if a.dummy else load_tokenizer(a.checkpoint)
     sampled = gen_cfg.get("do_sample", True)
     sampling = (a.temperature if a.temperature is not None else gen_cfg.get("temperature", 0.0) if sampled else 0.0,
                 a.top_k if a.top_k is not None else gen_cfg.get("top_k", 0) if sampled else 0,
@@ -309,36 +292,22 @@ def run(a):
     stop_ids = set(a.stop_ids) | set(eos if isinstance(eos, list) else [eos])
     texts = list(a.prompt or [])
     if a.prompt_file:
-        if not os.path.isfile(a.prompt_file):
-            raise UserError(f"no prompt file at {a.prompt_file}")
         with open(a.prompt_file) as f:
             texts += [line.rstrip("\n") for line in f if line.strip()]
-    if a.prompt_tokens:
-        prompts = [torch.randint(0, 151643, (a.prompt_tokens,)).tolist()] * a.batch
-    elif a.interactive:
-        prompts = []
-    else:
-        if not texts or not all(t.strip() for t in texts):
-            raise UserError("empty prompt: give --prompt TEXT or --prompt-file FILE")
-        prompts = [encode(chat_turn(t, a.system, a.no_think) if a.chat else t) for t in texts]
+    if not (a.prompt_tokens or a.interactive) and (not texts or not all(t.strip() for t in texts)):
+        raise UserError("empty prompt: give --prompt TEXT or --prompt-file FILE")
+    prompts = ([torch.randint(0, 151643, (a.prompt_tokens,)).tolist()] * a.batch if a.prompt_tokens else
+               [encode(chat_turn(t, a.system, a.no_think) if a.chat else t) for t in texts])  # none: --interactive
     longest = max(map(len, prompts)) if prompts else 0
-    capacity = a.cache_len or (min(8192, max_positions) if a.interactive else longest + a.max_new_tokens)
-    if capacity > max_positions:
-        raise UserError(f"cache length {capacity} is over the model's {max_positions} positions: "
-                        f"shorten the prompt or lower --max-new-tokens / --cache-len")
-    if longest + a.max_new_tokens > capacity:
-        raise UserError(f"prompt ({longest} tokens) + --max-new-tokens {a.max_new_tokens} is over --cache-len "
-                        f"{capacity}")
-
-    model = dummy_model(a.dummy, a.int8, a.device, dtype) if a.dummy else \
-        Transformer.from_checkpoint(a.checkpoint, a.device, dtype)
+    # Too long a prompt or --max-new-tokens for the cache or the model: Generator and generate() say so.
+    capacity = a.cache_len or (min(8192, model.args.max_position_embeddings) if a.interactive else
+                               longest + a.max_new_tokens)
     gen = Generator(model, max(1, len(prompts)), capacity, sampling, a.compile, a.cuda_graph, a.compile_prefill)
     if a.interactive:
         return chat(gen, a, encode, decode, stop_ids)
     nbytes, runs = weight_bytes(model), []
     for i in range(a.num_samples):
-        profiling = a.profile and i == a.num_samples - 1
-        prof = torch.profiler.profile(record_shapes=True) if profiling else None
+        prof = torch.profiler.profile(record_shapes=True) if a.profile and i == a.num_samples - 1 else None
         stream = TextStream(decode) if decode and len(prompts) == 1 else None
         with prof or contextlib.nullcontext():
             out, stats = gen.generate(prompts, a.max_new_tokens, stop_ids, a.check_every, on_tokens=stream)

@@ -1,6 +1,6 @@
-"""Triton kernels for one-token decode steps on CUDA: a matrix-vector product with its neighbours fused in, and
-split-KV attention for one query with the q/k norms, RoPE and the cache write fused in. model.py uses PyTorch's ops
-where these don't apply (CPU, several tokens or rows), and as their reference in the tests.
+"""Triton kernels for one-token decode steps on CUDA: a matrix-vector product with its neighbours fused in, split-KV
+attention for one query with the q/k norms, RoPE and the cache write fused in, and top-k/top-p sampling. model.py and
+generate.py use PyTorch's ops where these don't apply (CPU, several tokens or rows), and as their reference in tests.
 
 Why (measured on the H200, Qwen3-0.6B): inductor's reductions moved 0.9-1.5 TB/s on the 4-13 MB weight matrices and
 cuDNN's attention took ~8 us per layer for one query, in 11 kernels per layer; with these, 6.
@@ -129,38 +129,31 @@ if triton is not None:
         y = tl.sum(parts * w[:, None], axis=0) / tl.sum(w, axis=0)
         tl.store(out + i * HEAD_DIM + d, y.to(out.dtype.element_ty), mask=d < HEAD_DIM)
 
-
     @triton.jit
-    def _chunk_best(logits, values, ids, V, temperature, K: tl.constexpr, BLOCK: tl.constexpr):
-        # Program (row, chunk of BLOCK logits): its K largest logits / T and their ids, by K rounds of max-and-
-        # remove (K is small; a sort of the chunk measured 2.6x slower than torch.topk).
-        r, c, j = tl.program_id(0), tl.program_id(1), tl.arange(0, BLOCK)
-        v = tl.load(logits + r * V + c * BLOCK + j, mask=c * BLOCK + j < V, other=float("-inf")).to(tl.float32)
-        v, out = v / temperature, (r * tl.num_programs(1) + c) * K
-        for n in tl.static_range(K):
-            m, at = tl.max(v, axis=0, return_indices=True)
-            tl.store(values + out + n, m)
-            tl.store(ids + out + n, c * BLOCK + at)
-            v = tl.where(j == at, float("-inf"), v)
-
-    @triton.jit
-    def _pick(values, ids, seed, token, N, top_p, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
-        # Program per row: the K best of the chunks' candidates, in order, then top-p over them (a candidate stays
-        # while the mass before it is < top_p) and Gumbel-max: argmax(v + g), g = -log(-log(u)), is an exact draw
-        # from softmax(v) over the ones kept.
-        r, j, n = tl.program_id(0), tl.arange(0, BLOCK), tl.arange(0, KP)
-        v = tl.load(values + r * N + j, mask=j < N, other=float("-inf"))
-        best, who = tl.full([KP], float("-inf"), tl.float32), tl.zeros([KP], tl.int64)
+    def _sample(x, values, ids, seed, token, N, temperature, top_p, K: tl.constexpr, KP: tl.constexpr,
+                BLOCK: tl.constexpr, DRAW: tl.constexpr):
+        # Program (row, chunk of BLOCK of the row's N scores x): the chunk's K largest of x / T, largest first, by K
+        # rounds of take-the-max-and-remove-it (K is small: a sort measured 2.6x slower than torch.topk). Over the
+        # logits, it writes each chunk's best to values and ids; then (DRAW) over values, in one chunk, it keeps a
+        # candidate while the mass before it is < top_p and draws by Gumbel-max: argmax(v + g), g = -log(-log(u)),
+        # is an exact draw from softmax(v) over the ones kept.
+        r, c, j, n = tl.program_id(0), tl.program_id(1), tl.arange(0, BLOCK), tl.arange(0, KP)
+        v = tl.load(x + r * N + c * BLOCK + j, mask=c * BLOCK + j < N, other=float("-inf")).to(tl.float32)
+        v, best, at = v / temperature, tl.full([KP], float("-inf"), tl.float32), tl.zeros([KP], tl.int32)
         for q in tl.static_range(K):
-            m, at = tl.max(v, axis=0, return_indices=True)
-            best, who = tl.where(n == q, m, best), tl.where(n == q, tl.load(ids + r * N + at), who)
-            v = tl.where(j == at, float("-inf"), v)
-        p = tl.exp(best - tl.max(best, axis=0))
-        p = p / tl.sum(p, axis=0)
-        kept = (tl.cumsum(p, axis=0) - p < top_p) & (n < K)
-        g = -tl.log(-tl.log(tl.rand(tl.load(seed), r * KP + n)))
-        choice = tl.argmax(tl.where(kept, best + g, float("-inf")), axis=0)
-        tl.store(token + r, tl.sum(tl.where(n == choice, who, 0), axis=0))
+            m, i = tl.max(v, axis=0, return_indices=True)
+            best, at, v = tl.where(n == q, m, best), tl.where(n == q, i, at), tl.where(j == i, float("-inf"), v)
+        if DRAW:
+            p = tl.exp(best - tl.max(best, axis=0))
+            kept = (tl.cumsum(p, axis=0) - p < top_p * tl.sum(p, axis=0)) & (n < K)
+            g = -tl.log(-tl.log(tl.rand(tl.load(seed), r * KP + n)))
+            choice = tl.argmax(tl.where(kept, best + g, float("-inf")), axis=0)
+            tl.store(token + r, tl.load(ids + r * N + tl.sum(tl.where(n == choice, at, 0), axis=0)))
+        else:
+            out = (r * tl.num_programs(1) + c) * K + n
+            tl.store(values + out, best, mask=n < K)
+            tl.store(ids + out, c * BLOCK + at, mask=n < K)
+
 
 # Custom ops: torch.compile calls them as they are instead of analysing the kernels at each call site (five a
 # layer), which was most of its compile time (measured on the H200, 0.6B, cold: 46 s -> 15 s to the first token).
@@ -212,15 +205,16 @@ decode_attention.register_fake(lambda qkv, cache_k, *args: qkv.new_empty(qkv.sha
 @torch.library.custom_op("qwen3_fast::sample", mutates_args=())
 def sample(logits: Tensor, seed: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
     """Token ids (R,) drawn from softmax(logits / temperature) (R, V) cut to the top_k (<= 64) largest, then to
-    top_p, with Gumbel noise from `seed` (a 1-element int tensor): two kernels, the best top_k of each chunk of
-    1,024 logits, then the draw."""
-    R, V = logits.shape
-    chunks = triton.cdiv(V, 1024)
-    values = torch.empty(R, chunks * top_k, dtype=torch.float32, device=logits.device)
-    ids, token = torch.empty(R, chunks * top_k, dtype=torch.long, device=logits.device), values.new_empty(R, dtype=torch.long)
-    _chunk_best[(R, chunks)](logits, values, ids, V, temperature, K=top_k, BLOCK=min(1024, triton.next_power_of_2(V)))
-    _pick[(R,)](values, ids, seed, token, chunks * top_k, top_p, K=top_k, KP=triton.next_power_of_2(top_k),
-                BLOCK=triton.next_power_of_2(chunks * top_k), num_warps=8)
+    top_p, with Gumbel noise from `seed` (a 1-element int tensor): the best top_k of each chunk of 1,024 logits, then
+    the draw from those: one kernel twice."""
+    (R, V), KP = logits.shape, triton.next_power_of_2(top_k)
+    N = triton.cdiv(V, 1024) * top_k  # candidates per row
+    values, ids = logits.new_empty(R, N, dtype=torch.float32), logits.new_empty(R, N, dtype=torch.long)
+    token = ids.new_empty(R)
+    _sample[(R, N // top_k)](logits.contiguous(), values, ids, seed, token, V, temperature, top_p, K=top_k, KP=KP,
+                             BLOCK=1024, DRAW=False)
+    _sample[(R, 1)](values, values, ids, seed, token, N, 1.0, top_p, K=top_k, KP=KP, BLOCK=triton.next_power_of_2(N),
+                    DRAW=True, num_warps=8)
     return token
 
 

@@ -203,7 +203,8 @@ class Transformer(nn.Module):
         """Allocates a StaticKVCache per layer and the RoPE table for positions [0, capacity)."""
         a = self.args
         if capacity > a.max_position_embeddings:
-            raise UserError(f"cache length {capacity} is over the model's {a.max_position_embeddings} positions")
+            raise UserError(f"cache length {capacity} is over the model's {a.max_position_embeddings} positions: "
+                            "shorten the prompt or lower --max-new-tokens / --cache-len")
         device, dtype = self.norm.weight.device, self.norm.weight.dtype
         # One spare position, never attended: every attended prefix is then a strict slice of the buffer, so a
         # compiled step's contiguity guards don't fail (and recompile) when the prefix reaches the capacity.
@@ -212,8 +213,7 @@ class Transformer(nn.Module):
                                                      device)
         # Angles in fp32 on the CPU as transformers computes them (an elementwise product, not a matmul).
         inv_freq = 1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.float) / a.head_dim))
-        angles = torch.arange(capacity, dtype=torch.float)[:, None] * inv_freq
-        angles = torch.cat((angles, angles), dim=-1)
+        angles = torch.arange(capacity, dtype=torch.float)[:, None] * inv_freq.repeat(2)  # both halves alike
         self.register_buffer("rope_cos", angles.cos().to(device), persistent=False)
         self.register_buffer("rope_sin", angles.sin().to(device), persistent=False)
         self.register_buffer("key_positions", torch.arange(capacity, device=device), persistent=False)
@@ -228,8 +228,7 @@ class Transformer(nn.Module):
         mask = (kv_positions <= positions[..., None])[:, None]  # (R, 1, T, kv_len): causal, and hides unwritten slots
         for layer in self.layers:
             x = layer(x, cos, sin, mask, rows, positions)
-        if last_only:
-            x = x[:, -1:]
+        x = x[:, -1:] if last_only else x
         return project(x, self.lm_head, self.norm)
 
     @classmethod
@@ -237,16 +236,14 @@ class Transformer(nn.Module):
         """Loads a directory written by convert_hf_checkpoint.py, straight to `device` (no second copy)."""
         from safetensors.torch import load_file
         if not os.path.isfile(os.path.join(path, "config.json")):
-            raise UserError(f"no converted checkpoint at {path}: run convert_hf_checkpoint.py --checkpoint-dir ...")
+            raise UserError(f"no converted checkpoint at {path}: run python convert_hf_checkpoint.py --repo "
+                            "Qwen/Qwen3-0.6B (or --checkpoint-dir DIR), then pass --checkpoint DIR/converted")
         with open(os.path.join(path, "config.json")) as f:
             args = ModelArgs.from_config(json.load(f))
-        state = {}
-        for file in sorted(glob.glob(os.path.join(path, "model*.safetensors"))):
-            state.update(load_file(file, device=str(device)))
-        if args.quantization == "int8" and not any(k.endswith(".scale") for k in state):
-            raise UserError(f"{path}: config.json says int8 but the weights have no scales; convert it again")
-        if args.quantization is None and any(k.endswith(".scale") for k in state):
-            raise UserError(f"{path}: the weights are int8 but config.json does not say so; convert it again")
+        files = sorted(glob.glob(os.path.join(path, "model*.safetensors")))
+        state = {k: v for file in files for k, v in load_file(file, device=str(device)).items()}
+        if (args.quantization == "int8") != any(k.endswith(".scale") for k in state):
+            raise UserError(f"{path}: config.json and the weights disagree on int8 quantization; convert it again")
         try:
             return cls.from_state_dict(args, {k: v if v.dtype == torch.int8 else v.to(dtype) for k, v in state.items()})
         except RuntimeError as e:

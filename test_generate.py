@@ -15,6 +15,13 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 VOCAB = 512
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Every Generator compiles the same step function anew: without a reset, a run of compiling tests reaches
+    dynamo's recompile limit (8), which fails with fullgraph=True."""
+    torch._dynamo.reset()
+
+
 def hf_checkpoint(path, *, hidden=64, heads=4, kv_heads=2, head_dim=16, layers=2, tied=False, sharded=False,
                   old_rope=False, dtype=torch.float32, seed=0, vocab=VOCAB, tokenizer=True):
     """A random Qwen3 snapshot written by transformers itself (save_pretrained)."""
@@ -150,7 +157,8 @@ def test_config_variants():
     base = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 1024, "num_attention_heads": 16, "head_dim": 128,
             "num_key_value_heads": 8, "intermediate_size": 3072, "num_hidden_layers": 28}
     assert ModelArgs.from_config({**base, "rope_theta": 5e5}).rope_theta == 5e5
-    assert ModelArgs.from_config({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}).rope_theta == 1e6
+    new_style = {**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+    assert ModelArgs.from_config(new_style).rope_theta == 1e6
     assert ModelArgs.from_config({**base, "head_dim": None}).head_dim == 64
     assert ModelArgs.from_name("0.6B").head_dim == 128 and ModelArgs.from_name("0.6B").hidden_size == 1024
     with pytest.raises(UserError, match="Qwen2"):
@@ -562,7 +570,7 @@ def test_cli_stop_ids_and_compiled_prefill(tiny):
     (["--top-p", "0"], "--top-p"),
     (["--top-p", "1.5"], "--top-p"),
     (["--prompt", "   "], "empty prompt"),
-    (["--max-new-tokens", "100", "--cache-len", "50"], "over --cache-len"),
+    (["--max-new-tokens", "100", "--cache-len", "50"], "over the cache length"),
     (["--max-new-tokens", "5000"], "over the model's"),
     (["--cuda-graph"], "needs a CUDA device"),
     (["--dummy", "3B", "--prompt-tokens", "4"], "unknown preset"),
@@ -599,6 +607,21 @@ def test_cuda_eager_compile_graph_identical_greedy(tiny, prompts):
     eager = greedy(tiny, prompts, max_new=300, device="cuda")  # crosses the 256 -> 512 attended-length bucket
     for compile, graph in [(True, False), (False, True), (True, True)]:
         assert greedy(tiny, prompts, max_new=300, device="cuda", compile=compile, cuda_graph=graph) == eager
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", ["eager", "graph", "compile", "compile+graph"])
+def test_cuda_sampling_is_seeded_and_fresh_every_step(tiny, mode):
+    """Sampled decoding (the Triton sampler at batch 1) in every mode: the same seed gives the same tokens, another
+    seed others, and each step draws new noise (a graph that replayed one captured draw would repeat itself)."""
+    model = Transformer.from_checkpoint(tiny, "cuda", torch.bfloat16)
+    gen = G.Generator(model, 1, 512, (1.0, 20, 0.95), "compile" in mode, "graph" in mode)
+    runs = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        runs.append(gen.generate([[1, 2, 3]], 100, set())[0][0])
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    assert len(set(runs[0])) > 10
 
 
 @needs_cuda
