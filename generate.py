@@ -7,7 +7,7 @@ tokens every --check-every steps with one sync.
     python generate.py --compile --chat --no-think --prompt "Why is the sky blue?"
     python generate.py --dummy 8B --prompt-tokens 128 --max-new-tokens 256 --compile --num-samples 3   # benchmark
 """
-import argparse, contextlib, json, os, resource, sys, time
+import argparse, contextlib, json, os, pathlib, resource, sys, time
 
 import torch
 
@@ -21,7 +21,7 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p
     shapes: the candidates come from topk (a full sort when top_k is 0) and the filtered ones are masked to -inf."""
     if temperature == 0:
         return logits.argmax(-1)
-    if kernels.ENABLED and logits.is_cuda and 0 < top_k <= 64:  # in two kernels instead of ~25
+    if kernels.ENABLED and logits.is_cuda and 0 < top_k <= 64:  # one kernel launched twice instead of ~25
         # float(): fed straight from the model's custom ops, inductor (torch 2.11) took minutes to lower this one
         seed = torch.randint(2 ** 31 - 1, (1,), device=logits.device)
         return kernels.sample(logits.float(), seed, temperature, top_k, top_p)
@@ -282,7 +282,7 @@ def run(a):
     model = dummy_model(a.dummy, a.int8, a.device, dtype) if a.dummy else \
         Transformer.from_checkpoint(a.checkpoint, a.device, dtype)
     gen_path = os.path.join(a.checkpoint, "generation_config.json")
-    gen_cfg = {} if a.dummy or not os.path.isfile(gen_path) else json.load(open(gen_path))
+    gen_cfg = {} if a.dummy or not os.path.isfile(gen_path) else json.loads(pathlib.Path(gen_path).read_text())
     encode, decode = (None, None) if a.dummy else load_tokenizer(a.checkpoint)
     sampled = gen_cfg.get("do_sample", True)
     sampling = (a.temperature if a.temperature is not None else gen_cfg.get("temperature", 0.0) if sampled else 0.0,
