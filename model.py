@@ -214,8 +214,8 @@ class Transformer(nn.Module):
         # Angles in fp32 on the CPU as transformers computes them (an elementwise product, not a matmul).
         inv_freq = 1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.float) / a.head_dim))
         angles = torch.arange(capacity, dtype=torch.float)[:, None] * inv_freq.repeat(2)  # both halves alike
-        self.register_buffer("rope_cos", angles.cos().to(device), persistent=False)
-        self.register_buffer("rope_sin", angles.sin().to(device), persistent=False)
+        self.register_buffer("rope_cos", angles.cos().to(device, dtype), persistent=False)  # transformers casts
+        self.register_buffer("rope_sin", angles.sin().to(device, dtype), persistent=False)  # them to x's dtype too
         self.register_buffer("key_positions", torch.arange(capacity, device=device), persistent=False)
 
     def forward(self, tokens: Tensor, positions: Tensor, kv_positions: Tensor, rows: slice = slice(None),
@@ -223,9 +223,9 @@ class Transformer(nn.Module):
         """tokens, positions: (R, T) for cache rows `rows`; kv_positions: the cache prefix to attend over
         (a slice of key_positions covering every position written so far). Returns logits (R, T or 1, vocab)."""
         x = self.embed_tokens(tokens)
-        cos = self.rope_cos[positions][:, :, None].to(x.dtype)  # transformers casts the table to the activations'
-        sin = self.rope_sin[positions][:, :, None].to(x.dtype)  # dtype before the rotation
-        mask = (kv_positions <= positions[..., None])[:, None]  # (R, 1, T, kv_len): causal, and hides unwritten slots
+        cos, sin = self.rope_cos[positions][:, :, None], self.rope_sin[positions][:, :, None]
+        # (R, 1, T, kv_len): causal, and hides unwritten slots; the one-token kernel path needs none
+        mask = None if kernels.usable(x) else (kv_positions <= positions[..., None])[:, None]
         for layer in self.layers:
             x = layer(x, cos, sin, mask, rows, positions)
         x = x[:, -1:] if last_only else x
