@@ -6,7 +6,7 @@
 
 Tensors are read one at a time and written in shards, so memory stays near one shard however large the model is.
 """
-import argparse, dataclasses, glob, json, os, shutil, sys, tempfile
+import argparse, dataclasses, glob, json, os, pathlib, shutil, sys, tempfile
 from collections import Counter
 
 import torch
@@ -47,8 +47,8 @@ def list_tensors(src: str) -> dict[str, str]:
                         if bins else f"{src}: no *.safetensors weights found")
     index = os.path.join(src, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            missing = {v for v in json.load(f)["weight_map"].values()} - {os.path.basename(p) for p in files}
+        missing = set(json.loads(pathlib.Path(index).read_text())["weight_map"].values()) - {
+            os.path.basename(p) for p in files}
         if missing:
             raise UserError(f"{src}: shard {sorted(missing)[0]} named in the index is missing; download it")
     tensors = {}
@@ -64,8 +64,7 @@ def list_tensors(src: str) -> dict[str, str]:
 def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) -> None:
     if not os.path.isfile(os.path.join(src, "config.json")):
         raise UserError(f"{src}: no config.json; point --checkpoint-dir at a Hugging Face Qwen3 snapshot")
-    with open(os.path.join(src, "config.json")) as f:
-        cfg = json.load(f)
+    cfg = json.loads(pathlib.Path(src, "config.json").read_text())
     if "quantization_config" in cfg:
         raise UserError(f"{src}: quantized Hugging Face checkpoints are not supported; use the bf16 one")
     ours = "quantization" in cfg  # a directory this script wrote: already fused, may be re-converted to int8
@@ -111,13 +110,11 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
                 shard, size, n_shards = {}, 0, n_shards + 1
         if shard:
             save_file(shard, os.path.join(tmp, f"model-{n_shards:05d}.safetensors"))
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(dataclasses.asdict(args), f, indent=2)
+        pathlib.Path(tmp, "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
         for name in COPIED:
             if os.path.isfile(os.path.join(src, name)):
                 shutil.copy(os.path.join(src, name), tmp)
-        if os.path.exists(out):  # swap in the new directory only once it is complete
-            shutil.rmtree(out)
+        shutil.rmtree(out, ignore_errors=True)  # swap in the new directory only once it is complete
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -290,10 +290,8 @@ def run(a):
                 a.top_p if a.top_p is not None else gen_cfg.get("top_p", 1.0) if sampled else 1.0)
     eos = gen_cfg.get("eos_token_id", [])
     stop_ids = set(a.stop_ids) | set(eos if isinstance(eos, list) else [eos])
-    texts = list(a.prompt or [])
-    if a.prompt_file:
-        with open(a.prompt_file) as f:
-            texts += [line.rstrip("\n") for line in f if line.strip()]
+    texts = list(a.prompt or []) + ([t for t in pathlib.Path(a.prompt_file).read_text().splitlines() if t.strip()]
+                                    if a.prompt_file else [])
     if not (a.prompt_tokens or a.interactive) and (not texts or not all(t.strip() for t in texts)):
         raise UserError("empty prompt: give --prompt TEXT or --prompt-file FILE")
     prompts = ([torch.randint(0, 151643, (a.prompt_tokens,)).tolist()] * a.batch if a.prompt_tokens else

@@ -25,20 +25,26 @@ def usable(x: torch.Tensor) -> bool:
 if triton is not None:
     @triton.jit
     def _gemv(x, w, scale, norm, res, out, N, K, eps: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
-              SCALE: tl.constexpr, RES: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        # out[n] = res[n] + scale[n] * sum_k w[n, k] * a[k], a = x * norm / rms(x) or silu(x[:K]) * x[K:]
-        n = tl.program_id(0) * BN + tl.arange(0, BN)
+              SCALE: tl.constexpr, RES: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PACK: tl.constexpr):
+        # out[n] = res[n] + scale[n] * sum_k w[n, k] * a[k], a = x * norm / rms(x) or silu(x[:K]) * x[K:]. int8
+        # weights come as int32 words of PACK = 4, and bit operations make each byte fp32 (float bits 0x4B000000 |
+        # byte ^ 0x80 are 2^23 + 128 + its value): the conversion instruction capped int8 at ~2.5 TB/s, this 3.3.
+        n, KW = tl.program_id(0) * BN + tl.arange(0, BN), K // PACK
         acc, squares = tl.zeros([BN, BK], tl.float32), tl.zeros([BK], tl.float32)
-        for k0 in range(0, K, BK):
-            k = k0 + tl.arange(0, BK)
-            a = tl.load(x + k, mask=k < K, other=0.0).to(tl.float32)
-            if GATED:
-                a = a * tl.sigmoid(a) * tl.load(x + K + k, mask=k < K, other=0.0).to(tl.float32)
-            if NORM:  # the 1/rms factor is applied at the end: it scales every output alike
-                squares += a * a
-                a = a * tl.load(norm + k, mask=k < K, other=0.0).to(tl.float32)
-            acc += tl.load(w + n[:, None] * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K),
-                           other=0).to(tl.float32) * a[None, :]
+        for k0 in range(0, KW, BK):
+            words = k0 + tl.arange(0, BK)
+            wt = tl.load(w + n[:, None] * KW + words[None, :], mask=(n[:, None] < N) & (words[None, :] < KW), other=0)
+            for i in tl.static_range(PACK):
+                k = words * PACK + i
+                a = tl.load(x + k, mask=k < K, other=0.0).to(tl.float32)
+                if GATED:
+                    a = a * tl.sigmoid(a) * tl.load(x + K + k, mask=k < K, other=0.0).to(tl.float32)
+                if NORM:  # the 1/rms factor is applied at the end: it scales every output alike
+                    squares += a * a
+                    a = a * tl.load(norm + k, mask=k < K, other=0.0).to(tl.float32)
+                wi = (((wt >> 8 * i) & 0xFF) ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0 if PACK == 4 \
+                    else wt.to(tl.float32)
+                acc += wi * a[None, :]
         y = tl.sum(acc, axis=1)
         if NORM:
             y = y * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
@@ -164,14 +170,15 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | 
     of x = [gate, up] with `gated`, else x. weight (N, K) in x's dtype or int8 with a per-row `scale`."""
     N, K = weight.shape
     out = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
-    # From a sweep on the H200 over the 0.6B-8B shapes (rows 1-16, block 256-1024, 1-8 warps): few rows per
-    # program; more where a fused RMSNorm or SiLU gate makes each program's pass over x costlier.
-    e = weight.element_size()
-    BN, BK, warps = (8, 512, 4 // e) if norm is not None else (4, 1024, 8) if gated else (2, 512, 4 // e)
-    _gemv[(triton.cdiv(N, BN),)](x, weight, x if scale is None else scale, x if norm is None else norm,
-                                 x if residual is None else residual, out, N, K, eps, NORM=norm is not None,
-                                 GATED=gated, SCALE=scale is not None, RES=residual is not None, BN=BN, BK=BK,
-                                 num_warps=warps)
+    # (rows per program, block, warps) for RMSNorm | SiLU gate | neither, bf16 then int8, from sweeps on the H200
+    # over the 0.6B-8B shapes: more rows where the fused work on x is costlier, or the weights are int8.
+    pack = 4 if weight.dtype == torch.int8 else 1
+    BN, BK, warps = ((8, 512, 2), (4, 1024, 8), (2, 512, 2), (16, 128, 4), (8, 512, 8), (8, 512, 4))[
+        (0 if norm is not None else 1 if gated else 2) + (3 if pack == 4 else 0)]
+    _gemv[(triton.cdiv(N, BN),)](x, weight.view(torch.int32) if pack == 4 else weight, x if scale is None else scale,
+                                 x if norm is None else norm, x if residual is None else residual, out, N, K, eps,
+                                 NORM=norm is not None, GATED=gated, SCALE=scale is not None,
+                                 RES=residual is not None, BN=BN, BK=BK, PACK=pack, num_warps=warps)
     return out
 
 

@@ -1,5 +1,5 @@
 """Qwen3 (dense) for fast decoding: fused projections, a static KV cache, and one forward for prefill and decode."""
-import glob, json, os
+import glob, json, os, pathlib
 from dataclasses import dataclass, fields
 
 import torch
@@ -50,8 +50,7 @@ class ModelArgs:
     def from_name(cls, name: str) -> "ModelArgs":
         if name not in PRESETS:
             raise UserError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
-        h, i, n, heads, kv, tied = PRESETS[name]
-        return cls(h, i, n, heads, kv, 16 if name == "tiny" else 128, tie_word_embeddings=tied)
+        return cls(*PRESETS[name][:5], 16 if name == "tiny" else 128, tie_word_embeddings=PRESETS[name][5])
 
 
 PRESETS = {  # hidden, intermediate, layers, heads, kv heads, tied embeddings (from the published config.json files)
@@ -238,8 +237,7 @@ class Transformer(nn.Module):
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise UserError(f"no converted checkpoint at {path}: run python convert_hf_checkpoint.py --repo "
                             "Qwen/Qwen3-0.6B (or --checkpoint-dir DIR), then pass --checkpoint DIR/converted")
-        with open(os.path.join(path, "config.json")) as f:
-            args = ModelArgs.from_config(json.load(f))
+        args = ModelArgs.from_config(json.loads(pathlib.Path(path, "config.json").read_text()))
         files = sorted(glob.glob(os.path.join(path, "model*.safetensors")))
         state = {k: v for file in files for k, v in load_file(file, device=str(device)).items()}
         if (args.quantization == "int8") != any(k.endswith(".scale") for k in state):

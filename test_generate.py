@@ -748,6 +748,11 @@ KERNEL_CHECK = textwrap.dedent('''
         q8 = M.Int8Linear(K, N).to(dev)
         q8.weight, q8.scale = M.quantize_int8(w.float())
         close(kernels.gemv(x, q8.weight, q8.scale), q8(x), "int8")
+        close(kernels.gemv(x, q8.weight, q8.scale, norm.weight, 1e-6, False, res), res + q8(norm(x)), "int8 norm")
+        q8g = M.Int8Linear(K, N).to(dev)
+        q8g.weight, q8g.scale = M.quantize_int8(w.float() * 3)
+        close(kernels.gemv(x2, q8g.weight, q8g.scale, gated=True, residual=res),
+              res + q8g(F.silu(x2[..., :K]) * x2[..., K:]), "int8 gated+residual")
     # GQA 1, 2, 8; queries at the end of, inside and far below the attended prefix (empty splits); cache views of
     # a longer buffer with stale values everywhere, also at the positions being written
     for R, H, KV, D, L, pos, first in [(1, 4, 4, 16, 37, [36], 0), (2, 16, 8, 128, 1500, [1499, 3], 0),
