@@ -126,7 +126,7 @@ def main(argv=None):
     ap.add_argument("--checkpoint-dir", help="a Hugging Face Qwen3 snapshot (config.json + *.safetensors)")
     ap.add_argument("--repo", help="download this Hugging Face repo first, e.g. Qwen/Qwen3-0.6B (huggingface_hub)")
     ap.add_argument("--output", help="where to write (default: CHECKPOINT_DIR/converted, or converted-int8)")
-    ap.add_argument("--int8", action="store_true", help="int8 weight-only quantization of the transformer blocks")
+    ap.add_argument("--int8", action="store_true", help="int8 weight-only quantization (blocks, untied lm_head)")
     ap.add_argument("--shard-size-mb", type=int, default=2048, help="size of each output file")
     a = ap.parse_args(argv)
     try:

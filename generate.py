@@ -194,9 +194,10 @@ def dummy_model(name: str, int8: bool, device, dtype) -> Transformer:
     args = ModelArgs.from_name(name)
     with torch.device(device):
         model = Transformer(args).to(dtype)
-    if int8:  # every projection in the blocks, as the converter does (from_state_dict checks the names)
+    if int8:  # the blocks' projections and an untied lm_head, as the converter does (from_state_dict checks it)
         args.quantization, state = "int8", model.state_dict()
-        for name in [n for n in state if n.startswith("layers.") and n.endswith("_proj.weight")]:
+        for name in [n for n in state if n.endswith("_proj.weight") or n == "lm_head.weight" and not
+                     args.tie_word_embeddings]:
             state[name], scale = quantize_int8(state[name])
             state[name.removesuffix("weight") + "scale"] = scale.to(dtype)
         model = Transformer.from_state_dict(args, state)
@@ -296,8 +297,7 @@ def run(a):
         raise UserError("empty prompt: give --prompt TEXT or --prompt-file FILE")
     prompts = ([torch.randint(0, 151643, (a.prompt_tokens,)).tolist()] * a.batch if a.prompt_tokens else
                [encode(chat_turn(t, a.system, a.no_think) if a.chat else t) for t in texts])  # none: --interactive
-    longest = max(map(len, prompts)) if prompts else 0
-    # Too long a prompt or --max-new-tokens for the cache or the model: Generator and generate() say so.
+    longest = max(map(len, prompts)) if prompts else 0  # too long for the cache: Generator and generate() say so
     capacity = a.cache_len or (min(8192, model.args.max_position_embeddings) if a.interactive else
                                longest + a.max_new_tokens)
     gen = Generator(model, max(1, len(prompts)), capacity, sampling, a.compile, a.cuda_graph, a.compile_prefill)

@@ -17,8 +17,7 @@ except ImportError:  # CPU-only installs: model.py then never calls in here
 ENABLED = triton is not None  # benchmarks switch it off to measure what the kernels buy
 
 
-def usable(x: torch.Tensor) -> bool:
-    """One token of one row on CUDA: the shape these kernels are written for."""
+def usable(x: torch.Tensor) -> bool:  # one token of one row on CUDA: the shape these kernels are written for
     return ENABLED and x.is_cuda and x.numel() == x.shape[-1]
 
 

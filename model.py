@@ -194,7 +194,8 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(Block(args) for _ in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False) if args.tie_word_embeddings else \
+            linear(args, args.hidden_size, args.vocab_size)  # int8 too, unless it is the embedding
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

@@ -645,11 +645,15 @@ def test_cuda_no_host_sync_inside_decode_steps(tiny, mode):
 
 # ---------------------------------------------------------------- int8 weight-only quantization
 
-def test_int8_quality_against_fp32(tmp_path):
-    hf, path = converted(tmp_path, tokenizer=False, hidden=128, heads=8, kv_heads=2, head_dim=32, layers=4, vocab=2048)
+@pytest.mark.parametrize("tied", [False, True])
+def test_int8_quality_against_fp32(tmp_path, tied):
+    hf, path = converted(tmp_path, tokenizer=False, hidden=128, heads=8, kv_heads=2, head_dim=32, layers=4, vocab=2048,
+                         tied=tied)
     convert.convert(path, str(tmp_path / "int8"), int8=True)  # quantizes our converted weights
     q8 = load(str(tmp_path / "int8"))
     assert q8.layers[0].self_attn.qkv_proj.weight.dtype == torch.int8 and q8.embed_tokens.weight.dtype == torch.float32
+    # lm_head: int8 when it is its own matrix, the fp32 embedding when tied
+    assert q8.lm_head.weight.dtype == (torch.float32 if tied else torch.int8)
     ref = load(path)
     torch.manual_seed(8)
     prompt = torch.randint(0, 2048, (64,)).tolist()
@@ -667,8 +671,8 @@ def test_int8_quality_against_fp32(tmp_path):
     print(f"measured: int8 greedy tokens agree with fp32 for the first {same} of {len(out_ref)} steps")
     assert same >= 16
     size = lambda d: sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d) if f.endswith(".safetensors"))
-    blocks = sum(p.numel() for n, p in ref.named_parameters() if "proj" in n)
-    assert size(tmp_path / "int8") < size(path) - 0.7 * blocks * 4  # the block weights shrank 4x (fp32 -> int8)
+    quantized = sum(p.numel() for n, p in ref.named_parameters() if "proj" in n or n == "lm_head.weight" and not tied)
+    assert size(tmp_path / "int8") < size(path) - 0.7 * quantized * 4  # those weights shrank 4x (fp32 -> int8)
 
 
 def test_int8_quantize_roundtrip():
@@ -701,6 +705,12 @@ def test_int8_dummy_model_quantizes_the_block_linears_and_keeps_the_tie():
     assert q8.layers[1].mlp.down_proj.scale.dtype == torch.bfloat16
     blocks = sum(p.numel() for n, p in bf16.named_parameters() if "_proj" in n)
     assert G.weight_bytes(bf16) - G.weight_bytes(q8) == pytest.approx(blocks, rel=0.05)  # 2 bytes -> 1 (+ scales)
+
+
+def test_int8_dummy_model_quantizes_an_untied_lm_head():
+    q8 = G.dummy_model("8B", True, "meta", torch.bfloat16)  # meta: shapes and dtypes only
+    assert isinstance(q8.lm_head, Int8Linear) and q8.lm_head.weight.dtype == torch.int8
+    assert q8.lm_head.weight.shape == (151936, 4096) and q8.embed_tokens.weight.dtype == torch.bfloat16
 
 
 def test_int8_dummy_runs_in_eager_and_compile():
