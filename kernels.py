@@ -165,8 +165,8 @@ if triton is not None:
 @torch.library.custom_op("qwen3_fast::gemv", mutates_args=())
 def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | None = None, eps: float = 0.0,
          gated: bool = False, residual: Tensor | None = None) -> Tensor:
-    """residual + (weight @ a) * scale for one token x, where a is RMSNorm(x) * norm with `norm`, silu(gate) * up
-    of x = [gate, up] with `gated`, else x. weight (N, K) in x's dtype or int8 with a per-row `scale`."""
+    """residual + (weight @ a) * scale for one token x, where a is RMSNorm(x) * norm with `norm`, silu(gate) * up of
+    x = [gate, up] with `gated`, else x. weight (N, K) in x's dtype, or int8 (K a multiple of 4) with a row `scale`."""
     N, K = weight.shape
     out = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
     # (rows per program, block, warps) for RMSNorm | SiLU gate | neither, bf16 then int8, from sweeps on the H200
