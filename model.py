@@ -246,7 +246,7 @@ class Transformer(nn.Module):
         try:
             return cls.from_state_dict(args, {k: v if v.dtype == torch.int8 else v.to(dtype) for k, v in state.items()})
         except RuntimeError as e:
-            raise UserError(f"{path}: weights do not match config.json ({str(e).splitlines()[-1].strip()})")
+            raise UserError(f"{path}: weights do not match config.json ({str(e).splitlines()[-1].strip()}); reconvert")
 
     @classmethod
     def from_state_dict(cls, args: ModelArgs, state: dict) -> "Transformer":

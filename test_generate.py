@@ -675,6 +675,20 @@ def test_int8_quality_against_fp32(tmp_path, tied):
     assert size(tmp_path / "int8") < size(path) - 0.7 * quantized * 4  # those weights shrank 4x (fp32 -> int8)
 
 
+def test_int8_checkpoint_with_a_bf16_lm_head_is_refused_in_one_line(tmp_path):
+    # untied int8 checkpoints written before lm_head was quantized too: lm_head.weight in float, no lm_head.scale
+    hf, path = converted(tmp_path, tokenizer=False)
+    convert.convert(path, str(tmp_path / "int8"), int8=True)
+    from safetensors.torch import load_file, save_file
+    shard = next(f for f in sorted((tmp_path / "int8").glob("*.safetensors")) if "lm_head.scale" in load_file(f))
+    state = load_file(shard)
+    q, scale = state["lm_head.weight"], state.pop("lm_head.scale")
+    state["lm_head.weight"] = q.float() * scale[:, None]
+    save_file(state, shard)
+    with pytest.raises(UserError, match=r"do not match config.json .*lm_head.scale.*; reconvert"):
+        load(str(tmp_path / "int8"))
+
+
 def test_int8_quantize_roundtrip():
     w = torch.randn(64, 32) * torch.linspace(0.01, 3, 64)[:, None]  # rows of very different scales
     q, scale = quantize_int8(w)
