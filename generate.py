@@ -194,12 +194,12 @@ def dummy_model(name: str, int8: bool, device, dtype) -> Transformer:
     args = ModelArgs.from_name(name)
     with torch.device(device):
         model = Transformer(args).to(dtype)
-    if int8:  # the blocks' projections and an untied lm_head, as the converter does (from_state_dict checks it)
+    if int8:  # what linear() makes int8 (every Linear but a tied lm_head), as the converter does
         args.quantization, state = "int8", model.state_dict()
-        for name in [n for n in state if n.endswith("_proj.weight") or n == "lm_head.weight" and not
-                     args.tie_word_embeddings]:
-            state[name], scale = quantize_int8(state[name])
-            state[name.removesuffix("weight") + "scale"] = scale.to(dtype)
+        for name in [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and
+                     m.weight is not model.embed_tokens.weight]:
+            state[name + ".weight"], scale = quantize_int8(state[name + ".weight"])
+            state[name + ".scale"] = scale.to(dtype)
         model = Transformer.from_state_dict(args, state)
     return model.eval()
 

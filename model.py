@@ -214,8 +214,8 @@ class Transformer(nn.Module):
         # Angles in fp32 on the CPU as transformers computes them (an elementwise product, not a matmul).
         inv_freq = 1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.float) / a.head_dim))
         angles = torch.arange(capacity, dtype=torch.float)[:, None] * inv_freq.repeat(2)  # both halves alike
-        self.register_buffer("rope_cos", angles.cos().to(device, dtype), persistent=False)  # in x's dtype, as
-        self.register_buffer("rope_sin", angles.sin().to(device, dtype), persistent=False)  # transformers rotates
+        self.register_buffer("rope_cos", angles.cos().to(device, dtype), persistent=False)  # in the model's dtype:
+        self.register_buffer("rope_sin", angles.sin().to(device, dtype), persistent=False)  # transformers casts it so
         self.register_buffer("key_positions", torch.arange(capacity, device=device), persistent=False)
 
     def forward(self, tokens: Tensor, positions: Tensor, kv_positions: Tensor, rows: slice = slice(None),
