@@ -1,84 +1,123 @@
 """Converts a Hugging Face Qwen3 snapshot into qwen3-fast weights (fused qkv_proj and gate_up_proj, safetensors).
 
-    python convert_hf_checkpoint.py --checkpoint-dir checkpoints/Qwen/Qwen3-0.6B          # writes .../converted
     python convert_hf_checkpoint.py --repo Qwen/Qwen3-0.6B                                # downloads it first
+    python convert_hf_checkpoint.py --checkpoint-dir checkpoints/Qwen/Qwen3-8B            # writes .../converted
     python convert_hf_checkpoint.py --checkpoint-dir checkpoints/Qwen/Qwen3-8B --int8     # writes .../converted-int8
 
 Tensors are read one at a time and written in shards, so memory stays near one shard however large the model is.
+The output is written next to its destination and renamed into place when complete; it replaces only an earlier
+output of this script.
 """
-import argparse, dataclasses, glob, json, os, pathlib, shutil, sys, tempfile
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import shutil
+import sys
 from collections import Counter
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from model import ModelArgs, Transformer, UserError, quantize_int8
+from model import ModelArgs, Transformer, UserError, quantize_int8, read_json
 
 FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 N_PARTS = Counter(fused for fused, _ in FUSED.values())
 COPIED = ["tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
           "generation_config.json"]
+SHARD_NAME = re.compile(r"model-\d{5}\.safetensors")
 
 
 def map_name(hf_name: str) -> tuple[str, int]:
     """A Hugging Face tensor name -> (our name, its index among the parts of a fused tensor)."""
     parts = hf_name.removeprefix("model.").split(".")
-    if len(parts) > 1:
-        parts[-2], index = FUSED.get(parts[-2], (parts[-2], 0))
-        return ".".join(parts), index
-    return hf_name, 0
+    if len(parts) == 1:
+        return hf_name, 0
+    parts[-2], index = FUSED.get(parts[-2], (parts[-2], 0))
+    return ".".join(parts), index
 
 
 def read_tensor(file: str, name: str) -> torch.Tensor:
     try:
         with safe_open(file, "pt") as f:  # opened per tensor: only this tensor's pages are ever mapped
             return f.get_tensor(name)
-    except Exception as e:
-        raise UserError(f"{file}: cannot read tensor {name} ({e}); the file is truncated or corrupt, download it again")
+    except Exception as e:  # safetensors' own error type
+        raise UserError(f"{file}: cannot read tensor {name} ({e}); the file is truncated or corrupt, "
+                        "download it again") from None
 
 
-def list_tensors(src: str) -> dict[str, str]:
-    files = sorted(glob.glob(os.path.join(src, "*.safetensors")))
+def list_tensors(src: pathlib.Path) -> dict[str, str]:
+    """Every tensor name of the snapshot -> the file that holds it."""
+    files = sorted(src.glob("*.safetensors"))
     if not files:
-        bins = glob.glob(os.path.join(src, "*.bin")) + glob.glob(os.path.join(src, "*.pt*"))
-        raise UserError(f"{src}: only .bin/.pt weights found; safetensors only, download the safetensors files"
-                        if bins else f"{src}: no *.safetensors weights found")
-    index = os.path.join(src, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        missing = set(json.loads(pathlib.Path(index).read_text())["weight_map"].values()) - {
-            os.path.basename(p) for p in files}
+        if list(src.glob("*.bin")) or list(src.glob("*.pt*")):
+            raise UserError(f"{src}: only .bin/.pt weights found; safetensors only, download the safetensors files")
+        raise UserError(f"{src}: no *.safetensors weights found")
+    index = src / "model.safetensors.index.json"
+    if index.is_file():
+        missing = set(read_json(index).get("weight_map", {}).values()) - {p.name for p in files}
         if missing:
             raise UserError(f"{src}: shard {sorted(missing)[0]} named in the index is missing; download it")
     tensors = {}
     for file in files:
         try:
             with safe_open(file, "pt") as f:
-                tensors.update((name, file) for name in f.keys())
+                tensors.update((name, str(file)) for name in f.keys())
         except Exception as e:
-            raise UserError(f"{file}: not a readable safetensors file ({e}); download it again")
+            raise UserError(f"{file}: not a readable safetensors file ({e}); download it again") from None
     return tensors
 
 
+def is_converted(cfg: dict) -> bool:
+    return "quantization" in cfg  # every config.json this script writes has it, and no Hugging Face one
+
+
+def check_output(src: pathlib.Path, out: pathlib.Path) -> None:
+    """Refuses, before any work, an output that is the source or would replace what this script did not write."""
+    if out.resolve() == src.resolve():
+        raise UserError(f"--output {out} is the source snapshot: choose another directory")
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise UserError(f"--output {out} is a file: choose a directory")
+    names = [p.name for p in out.iterdir()]
+    if not names:
+        return
+    ours = all(name in COPIED or name == "config.json" or SHARD_NAME.fullmatch(name) for name in names)
+    try:
+        ours = ours and is_converted(json.loads((out / "config.json").read_text()))
+    except (OSError, ValueError):
+        ours = False
+    if not ours:
+        raise UserError(f"--output {out} holds files this script did not write: choose a new or empty directory")
+
+
 def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) -> None:
-    if not os.path.isfile(os.path.join(src, "config.json")):
+    src = pathlib.Path(src)
+    out = pathlib.Path(out)
+    if not (src / "config.json").is_file():
         raise UserError(f"{src}: no config.json; point --checkpoint-dir at a Hugging Face Qwen3 snapshot")
-    cfg = json.loads(pathlib.Path(src, "config.json").read_text())
+    cfg = read_json(src / "config.json")
     if "quantization_config" in cfg:
         raise UserError(f"{src}: quantized Hugging Face checkpoints are not supported; use the bf16 one")
-    ours = "quantization" in cfg  # a directory this script wrote: already fused, may be re-converted to int8
+    ours = is_converted(cfg)  # a directory this script wrote: already fused, may be quantized to int8
     args = ModelArgs.from_config(cfg)
     if int8 and args.quantization:
         raise UserError(f"{src}: already quantized to {args.quantization}; convert the original checkpoint instead")
     if ours and not int8:
         raise UserError(f"{src}: already converted; add --int8 to quantize it, or point at the Hugging Face snapshot")
-    args.quantization = "int8" if int8 else args.quantization
+    if int8:
+        args.quantization = "int8"
+    check_output(src, out)
     with torch.device("meta"):
         expected = Transformer(args).state_dict()
     if args.tie_word_embeddings:
         del expected["lm_head.weight"]  # the embedding serves as lm_head
-    sources: dict[str, dict[int, tuple[str, str]]] = {}
+    sources: dict[str, dict[int, tuple[str, str]]] = {}  # our name -> {part: (file, hf name)}
     for hf_name, file in list_tensors(src).items():
         name, part = (hf_name, 0) if ours else map_name(hf_name)
         if name == "lm_head.weight" and args.tie_word_embeddings:
@@ -86,10 +125,16 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
         if name not in expected:
             raise UserError(f"{file}: tensor {hf_name} has no place in a Qwen3 model")
         sources.setdefault(name, {})[part] = (file, hf_name)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".converting-", dir=os.path.dirname(os.path.abspath(out)))
+    tmp = out.with_name(f".converting-{out.name}-{os.getpid()}")
     try:
-        shard, size, n_shards = {}, 0, 0
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise UserError(f"cannot write {out}: {e.strerror}") from None
+    try:
+        shard = {}
+        size = 0
+        n_shards = 0
         for name, meta in expected.items():
             if name.endswith(".scale") and name.removesuffix(".scale") + ".weight" in expected:
                 continue  # written with its weight
@@ -106,19 +151,40 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
             shard[name] = w.contiguous()
             size += w.numel() * w.element_size()
             if size >= shard_bytes:
-                save_file(shard, os.path.join(tmp, f"model-{n_shards:05d}.safetensors"))
-                shard, size, n_shards = {}, 0, n_shards + 1
+                save_file(shard, tmp / f"model-{n_shards:05d}.safetensors")
+                shard = {}
+                size = 0
+                n_shards += 1
         if shard:
-            save_file(shard, os.path.join(tmp, f"model-{n_shards:05d}.safetensors"))
-        pathlib.Path(tmp, "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
+            save_file(shard, tmp / f"model-{n_shards:05d}.safetensors")
+        (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
         for name in COPIED:
-            if os.path.isfile(os.path.join(src, name)):
-                shutil.copy(os.path.join(src, name), tmp)
-        shutil.rmtree(out, ignore_errors=True)  # swap in the new directory only once it is complete
-        os.rename(tmp, out)
+            if (src / name).is_file():
+                shutil.copy(src / name, tmp)
+        # Swap in the new directory only now that it is complete; what it replaces passed check_output.
+        old = out.with_name(f".replaced-{out.name}-{os.getpid()}")
+        if out.exists():
+            out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def download(repo: str, local_dir: str | None = None) -> str:
+    """Downloads a Hugging Face repo's weights, config and tokenizer (huggingface_hub); returns the directory."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise UserError("downloading needs huggingface_hub: pip install huggingface_hub") from None
+    local_dir = local_dir or os.path.join("checkpoints", repo)
+    print(f"downloading {repo} into {local_dir}", file=sys.stderr, flush=True)
+    try:
+        return snapshot_download(repo, local_dir=local_dir,
+                                 allow_patterns=["*.json", "*.safetensors", "*.txt", "tokenizer.model"])
+    except Exception as e:  # offline, no such repo, ...: whatever the hub's client raises
+        raise UserError(f"cannot download {repo} ({type(e).__name__}: {str(e).strip().splitlines()[0]})") from None
 
 
 def main(argv=None):
@@ -131,19 +197,16 @@ def main(argv=None):
     a = ap.parse_args(argv)
     try:
         if a.repo:
-            try:
-                from huggingface_hub import snapshot_download
-            except ImportError:
-                raise UserError("--repo needs huggingface_hub: pip install huggingface_hub")
-            local_dir = a.checkpoint_dir or os.path.join("checkpoints", a.repo)
-            a.checkpoint_dir = snapshot_download(a.repo, local_dir=local_dir, allow_patterns=[
-                "*.json", "*.safetensors", "*.txt", "tokenizer.model"])
+            a.checkpoint_dir = download(a.repo, a.checkpoint_dir)
         if not a.checkpoint_dir:
             raise UserError("give --checkpoint-dir DIR (a Hugging Face Qwen3 snapshot) or --repo Qwen/Qwen3-0.6B")
         out = a.output or os.path.join(a.checkpoint_dir, "converted-int8" if a.int8 else "converted")
         convert(a.checkpoint_dir, out, a.int8, a.shard_size_mb << 20)
     except UserError as e:
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        print("interrupted: nothing was written", file=sys.stderr)
+        sys.exit(130)
     print(f"wrote {out}")
 
 

@@ -1,24 +1,20 @@
 """Triton kernels for one-token decode steps on CUDA: a matrix-vector product with its neighbours fused in, split-KV
 attention for one query with the q/k norms, RoPE and the cache write fused in, and top-k/top-p sampling. model.py and
-generate.py use PyTorch's ops where these don't apply (CPU, several tokens or rows), and as their reference in tests.
+generate.py use PyTorch's ops where these don't apply (the CPU, several tokens), and as their reference in tests.
 
-Why (measured on the H200, Qwen3-0.6B): inductor's reductions moved 0.9-1.5 TB/s on the 4-13 MB weight matrices and
-cuDNN's attention took ~8 us per layer for one query, in 11 kernels per layer; with these, 6.
-Every kernel costs a launch gap and a ramp-up even inside a CUDA graph, which at this size is most of its time."""
+Why: a graphed decode step at batch 1 is bound by its many small kernels. Each kernel costs a launch gap and a
+ramp-up even inside a CUDA graph, so these fuse what surrounds each product: six kernels a layer instead of eleven,
+and a sampler of two launches instead of about 25 (bench/RESULTS.md has the measurements)."""
 import torch
 from torch import Tensor
 
 try:
     import triton
     import triton.language as tl
-except ImportError:  # CPU-only installs: model.py then never calls in here
+except ImportError:  # CPU-only installs: the callers then never ask for these kernels
     triton = None
 
-ENABLED = triton is not None  # benchmarks switch it off to measure what the kernels buy
-
-
-def usable(x: torch.Tensor) -> bool:  # one token of one row on CUDA: the shape these kernels are written for
-    return ENABLED and x.is_cuda and x.numel() == x.shape[-1]
+AVAILABLE = triton is not None
 
 
 if triton is not None:
@@ -26,10 +22,12 @@ if triton is not None:
     def _gemv(x, w, scale, norm, res, out, N, K, eps: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
               SCALE: tl.constexpr, RES: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PACK: tl.constexpr):
         # out[n] = res[n] + scale[n] * sum_k w[n, k] * a[k], a = x * norm / rms(x) or silu(x[:K]) * x[K:]. int8
-        # weights come as int32 words of PACK = 4, and bit operations make each byte fp32 (float bits 0x4B000000 |
-        # byte ^ 0x80 are 2^23 + 128 + its value): the conversion instruction capped int8 at ~2.5 TB/s, this 3.3.
-        n, KW = tl.program_id(0) * BN + tl.arange(0, BN), K // PACK
-        acc, squares = tl.zeros([BN, BK], tl.float32), tl.zeros([BK], tl.float32)
+        # weights come as int32 words of PACK = 4 bytes, and integer operations make each byte fp32 (the float bits
+        # 0x4B000000 | byte ^ 0x80 are 2^23 + 128 + its value): a conversion instruction per byte would be the limit.
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        KW = K // PACK
+        acc = tl.zeros([BN, BK], tl.float32)
+        squares = tl.zeros([BK], tl.float32)
         for k0 in range(0, KW, BK):
             words = k0 + tl.arange(0, BK)
             wt = tl.load(w + n[:, None] * KW + words[None, :], mask=(n[:, None] < N) & (words[None, :] < KW), other=0)
@@ -41,8 +39,10 @@ if triton is not None:
                 if NORM:  # the 1/rms factor is applied at the end: it scales every output alike
                     squares += a * a
                     a = a * tl.load(norm + k, mask=k < K, other=0.0).to(tl.float32)
-                wi = (((wt >> 8 * i) & 0xFF) ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0 if PACK == 4 \
-                    else wt.to(tl.float32)
+                if PACK == 4:
+                    wi = (((wt >> 8 * i) & 0xFF) ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+                else:
+                    wi = wt.to(tl.float32)
                 acc += wi * a[None, :]
         y = tl.sum(acc, axis=1)
         if NORM:
@@ -72,51 +72,64 @@ if triton is not None:
     def _attention(qkv, k, v, first_row, pos, cos, sin, q_norm, k_norm, o, lse, qkv_row, cs_row, k_row, k_head,
                    k_pos, eps: tl.constexpr, sm_scale: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr):
-        # Program (row, kv head, split), from the row's fused q|k|v projection: normalises and rotates the GROUP
-        # query heads of kv head h and the new key, attends over the split's share of the row's live keys
-        # (positions <= the query's: cost follows the live length, not the cache's) and writes the softmax-
-        # normalised partial output and its log-sum-exp for the merge. The new key and value are used from
-        # registers, and split 0 writes them to the cache: no program reads position p from memory this step.
-        r, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        g, d, dmask = tl.arange(0, G), tl.arange(0, D), tl.arange(0, D) < HEAD_DIM
-        p, H = tl.load(pos + r), GROUP * tl.num_programs(1)
+        # Program (row, kv head h, split s), from the row's fused q|k|v projection: normalises and rotates the
+        # GROUP query heads of h and the new key, attends over the split's share of the row's live keys (positions
+        # <= the query's: the cost follows the live length, not the cache's) and writes the softmax-normalised
+        # partial output and its log-sum-exp for the merge. The new key and value are used from registers, and
+        # split 0 writes them to the cache: no program reads position p from memory this step.
+        r = tl.program_id(0)
+        h = tl.program_id(1)
+        s = tl.program_id(2)
+        g = tl.arange(0, G)
+        d = tl.arange(0, D)
+        dmask = d < HEAD_DIM
+        p = tl.load(pos + r)
+        KV_HEADS = tl.num_programs(1)
+        H = GROUP * KV_HEADS
         cs = tl.load(cos + r * cs_row + d, mask=dmask, other=0.0).to(tl.float32)
         sn = tl.load(sin + r * cs_row + d, mask=dmask, other=0.0).to(tl.float32)
         row = qkv + r * qkv_row
         qt = _norm_rope(row, (h * GROUP + g) * HEAD_DIM, g < GROUP, q_norm, cs, sn, eps, HEAD_DIM, D)
         qt = qt.to(k.dtype.element_ty)  # rounded as the model's activations are
-        new_k = tl.sum(_norm_rope(row, (H + h) * HEAD_DIM + g * 0, g < 1, k_norm, cs, sn, eps, HEAD_DIM, D), axis=0)
+        # The new key and value: one head each, loaded as a G-row block whose row 0 alone is real, then summed.
+        first = tl.zeros([G], tl.int32)
+        new_k = tl.sum(_norm_rope(row, first + (H + h) * HEAD_DIM, g < 1, k_norm, cs, sn, eps, HEAD_DIM, D), axis=0)
         new_k = new_k.to(k.dtype.element_ty)
-        new_v = tl.sum(tl.load(row + (H + tl.num_programs(1) + h) * HEAD_DIM + g[:, None] * 0 + d[None, :],
-                               mask=(g[:, None] < 1) & dmask[None, :], other=0.0), axis=0)
+        v_offsets = (first[:, None] + H + KV_HEADS + h) * HEAD_DIM + d[None, :]
+        new_v = tl.sum(tl.load(row + v_offsets, mask=(g[:, None] < 1) & dmask[None, :], other=0.0), axis=0)
         cache = (first_row + r) * k_row + h * k_head
         here = cache + p * k_pos + d
-        tl.store(k + here, new_k, mask=dmask & (d * 0 + s == 0))
-        tl.store(v + here, new_v.to(v.dtype.element_ty), mask=dmask & (d * 0 + s == 0))
+        if s == 0:
+            tl.store(k + here, new_k, mask=dmask)
+            tl.store(v + here, new_v.to(v.dtype.element_ty), mask=dmask)
         chunk = tl.cdiv(tl.cdiv(p + 1, SPLITS), BLOCK) * BLOCK
         lo = s * chunk
         hi = tl.minimum(lo + chunk, p + 1)
         end = tl.minimum(hi, p)  # keys before the new one
-        m, l = tl.full([G], -1e30, tl.float32), tl.zeros([G], tl.float32)
+        m = tl.full([G], -1e30, tl.float32)
+        l = tl.zeros([G], tl.float32)  # noqa: E741 (the softmax's running sum, as in the flash-attention papers)
         acc = tl.zeros([G, D], tl.float32)
         for start in range(lo, end, BLOCK):
             j = start + tl.arange(0, BLOCK)
             kvmask = (j[:, None] < end) & dmask[None, :]
             offsets = cache + j[:, None] * k_pos + d[None, :]
-            kt, vt = tl.load(k + offsets, mask=kvmask, other=0.0), tl.load(v + offsets, mask=kvmask, other=0.0)
+            kt = tl.load(k + offsets, mask=kvmask, other=0.0)
+            vt = tl.load(v + offsets, mask=kvmask, other=0.0)
             scores = tl.dot(qt, tl.trans(kt), input_precision="ieee") * sm_scale
             scores = tl.where(j[None, :] < end, scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
-            e, alpha = tl.exp(scores - m_new[:, None]), tl.exp(m - m_new)
-            l = l * alpha + tl.sum(e, axis=1)
+            e = tl.exp(scores - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            l = l * alpha + tl.sum(e, axis=1)  # noqa: E741
             acc = acc * alpha[:, None] + tl.dot(e.to(vt.dtype), vt, input_precision="ieee")
             m = m_new
         own = (lo <= p) & (p < hi)  # the split whose share holds the new key
-        score = tl.where(own, tl.sum(qt.to(tl.float32) * new_k.to(tl.float32)[None, :], axis=1) * sm_scale,
-                         float("-inf"))
+        score = tl.sum(qt.to(tl.float32) * new_k.to(tl.float32)[None, :], axis=1) * sm_scale
+        score = tl.where(own, score, float("-inf"))
         m_new = tl.maximum(m, score)
-        e, alpha = tl.exp(score - m_new), tl.exp(m - m_new)
-        l = l * alpha + e
+        e = tl.exp(score - m_new)
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + e  # noqa: E741
         acc = acc * alpha[:, None] + e[:, None] * new_v.to(tl.float32)[None, :]
         m = m_new
         out = (r * H + h * GROUP + g) * SPLITS + s  # index into (rows, heads, SPLITS)
@@ -127,7 +140,9 @@ if triton is not None:
     @triton.jit
     def _merge(o, lse, out, HEAD_DIM: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):
         # One (row, head): the splits' outputs weighted by exp(lse) over their sum, which is exact.
-        i, s, d = tl.program_id(0), tl.arange(0, SPLITS), tl.arange(0, D)
+        i = tl.program_id(0)
+        s = tl.arange(0, SPLITS)
+        d = tl.arange(0, D)
         w = tl.load(lse + i * SPLITS + s)
         w = tl.exp(w - tl.max(w, axis=0))
         parts = tl.load(o + (i * SPLITS + s[:, None]) * HEAD_DIM + d[None, :], mask=d[None, :] < HEAD_DIM)
@@ -138,16 +153,23 @@ if triton is not None:
     def _sample(x, values, ids, seed, token, N, temperature, top_p, K: tl.constexpr, KP: tl.constexpr,
                 BLOCK: tl.constexpr, DRAW: tl.constexpr):
         # Program (row, chunk of BLOCK of the row's N scores x): the chunk's K largest of x / T, largest first, by K
-        # rounds of take-the-max-and-remove-it (K is small: a sort measured 2.6x slower than torch.topk). Over the
-        # logits, it writes each chunk's best to values and ids; then (DRAW) over values, in one chunk, it keeps a
-        # candidate while the mass before it is < top_p and draws by Gumbel-max: argmax(v + g), g = -log(-log(u)),
-        # is an exact draw from softmax(v) over the ones kept.
-        r, c, j, n = tl.program_id(0), tl.program_id(1), tl.arange(0, BLOCK), tl.arange(0, KP)
+        # rounds of take-the-max-and-remove-it (K is small, and a sort is slower). Over the logits, it writes each
+        # chunk's best to values and ids; then (DRAW) over values, in one chunk, it keeps a candidate while the
+        # mass before it is < top_p and draws by Gumbel-max: argmax(v + g), g = -log(-log(u)), is an exact draw
+        # from softmax(v) over the ones kept.
+        r = tl.program_id(0)
+        c = tl.program_id(1)
+        j = tl.arange(0, BLOCK)
+        n = tl.arange(0, KP)
         v = tl.load(x + r * N + c * BLOCK + j, mask=c * BLOCK + j < N, other=float("-inf")).to(tl.float32)
-        v, best, at = v / temperature, tl.full([KP], float("-inf"), tl.float32), tl.zeros([KP], tl.int32)
+        v = v / temperature
+        best = tl.full([KP], float("-inf"), tl.float32)
+        at = tl.zeros([KP], tl.int32)
         for q in tl.static_range(K):
             m, i = tl.max(v, axis=0, return_indices=True)
-            best, at, v = tl.where(n == q, m, best), tl.where(n == q, i, at), tl.where(j == i, float("-inf"), v)
+            best = tl.where(n == q, m, best)
+            at = tl.where(n == q, i, at)
+            v = tl.where(j == i, float("-inf"), v)
         if DRAW:
             p = tl.exp(best - tl.max(best, axis=0))
             kept = (tl.cumsum(p, axis=0) - p < top_p * tl.sum(p, axis=0)) & (n < K)
@@ -160,8 +182,20 @@ if triton is not None:
             tl.store(ids + out, c * BLOCK + at, mask=n < K)
 
 
-# Custom ops: torch.compile calls them as they are instead of analysing the kernels at each call site (five a
-# layer), which was most of its compile time (measured on the H200, 0.6B, cold: 46 s -> 15 s to the first token).
+# Launch configurations of _gemv by what it fuses into the input and how the weights are stored, from sweeps on
+# the H200 over the 0.6B-8B shapes: more rows per program where the work on x is costlier, or the weights int8.
+GEMV_CONFIGS = {  # BN: weight rows per program, BK: weight words per block
+    ("norm", "float"): dict(BN=8, BK=512, num_warps=2),
+    ("gated", "float"): dict(BN=4, BK=1024, num_warps=8),
+    ("plain", "float"): dict(BN=2, BK=512, num_warps=2),
+    ("norm", "int8"): dict(BN=16, BK=128, num_warps=4),
+    ("gated", "int8"): dict(BN=8, BK=512, num_warps=8),
+    ("plain", "int8"): dict(BN=8, BK=512, num_warps=4),
+}
+
+
+# Custom ops: torch.compile calls them as they are, instead of analysing the kernels at each of their call sites
+# (five a layer), which would be most of its compile time.
 @torch.library.custom_op("qwen3_fast::gemv", mutates_args=())
 def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | None = None, eps: float = 0.0,
          gated: bool = False, residual: Tensor | None = None) -> Tensor:
@@ -169,19 +203,24 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | 
     x = [gate, up] with `gated`, else x. weight (N, K) in x's dtype, or int8 (K a multiple of 4) with a row `scale`."""
     N, K = weight.shape
     out = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
-    # (rows per program, block, warps) for RMSNorm | SiLU gate | neither, bf16 then int8, from sweeps on the H200
-    # over the 0.6B-8B shapes: more rows where the fused work on x is costlier, or the weights are int8.
-    pack = 4 if weight.dtype == torch.int8 else 1
-    BN, BK, warps = ((8, 512, 2), (4, 1024, 8), (2, 512, 2), (16, 128, 4), (8, 512, 8), (8, 512, 4))[
-        (0 if norm is not None else 1 if gated else 2) + (3 if pack == 4 else 0)]
-    _gemv[(triton.cdiv(N, BN),)](x, weight.view(torch.int32) if pack == 4 else weight, x if scale is None else scale,
-                                 x if norm is None else norm, x if residual is None else residual, out, N, K, eps,
-                                 NORM=norm is not None, GATED=gated, SCALE=scale is not None,
-                                 RES=residual is not None, BN=BN, BK=BK, PACK=pack, num_warps=warps)
+    int8 = weight.dtype == torch.int8
+    if norm is not None:
+        fused_input = "norm"
+    elif gated:
+        fused_input = "gated"
+    else:
+        fused_input = "plain"
+    config = GEMV_CONFIGS[fused_input, "int8" if int8 else "float"]
+    words = weight.view(torch.int32) if int8 else weight  # an int32 word holds 4 int8 weights
+    unused = x  # the kernel needs some pointer for the arguments it doesn't read
+    _gemv[(triton.cdiv(N, config["BN"]),)](
+        x, words, unused if scale is None else scale, unused if norm is None else norm,
+        unused if residual is None else residual, out, N, K, eps, NORM=norm is not None, GATED=gated,
+        SCALE=scale is not None, RES=residual is not None, PACK=4 if int8 else 1, **config)
     return out
 
 
-gemv.register_fake(lambda x, weight, *args: x.new_empty(*x.shape[:-1], weight.shape[0]))
+gemv.register_fake(lambda x, weight, *args, **kwargs: x.new_empty(*x.shape[:-1], weight.shape[0]))
 
 
 @torch.library.custom_op("qwen3_fast::decode_attention", mutates_args=("cache_k", "cache_v"))
@@ -192,16 +231,21 @@ def decode_attention(qkv: Tensor, cache_k: Tensor, cache_v: Tensor, first_row: i
     get the new key and value there; cos/sin (R, ..., head_dim) at the positions; q_norm/k_norm the RMSNorm
     weights. Attends to keys at positions <= the query's, split over the keys so that one row still fills the
     GPU; returns (R, heads, head_dim)."""
-    R, (kv_heads, Dh), splits = qkv.shape[0], cache_k.shape[1::2], 32
-    o = torch.empty(R, heads, splits, Dh, dtype=torch.float32, device=qkv.device)
+    R = qkv.shape[0]
+    kv_heads = cache_k.shape[1]
+    head_dim = cache_k.shape[3]
+    splits = 32
+    o = torch.empty(R, heads, splits, head_dim, dtype=torch.float32, device=qkv.device)
     lse = torch.empty(R, heads, splits, dtype=torch.float32, device=qkv.device)
-    group, D = heads // kv_heads, max(16, triton.next_power_of_2(Dh))
-    _attention[(R, kv_heads, splits)](qkv, cache_k, cache_v, first_row, positions, cos, sin, q_norm, k_norm, o,
-                                      lse, qkv.stride(0), cos.stride(0), *cache_k.stride()[:3], eps=eps,
-                                      sm_scale=Dh ** -0.5, GROUP=group, HEAD_DIM=Dh,
-                                      G=max(16, triton.next_power_of_2(group)), D=D, BLOCK=32, SPLITS=splits)
-    out = torch.empty(R, heads, Dh, dtype=qkv.dtype, device=qkv.device)
-    _merge[(R * heads,)](o, lse, out, HEAD_DIM=Dh, D=D, SPLITS=splits)
+    group = heads // kv_heads
+    D = max(16, triton.next_power_of_2(head_dim))  # tl.dot wants blocks of at least 16
+    k_row, k_head, k_pos, _ = cache_k.stride()
+    _attention[(R, kv_heads, splits)](
+        qkv, cache_k, cache_v, first_row, positions, cos, sin, q_norm, k_norm, o, lse, qkv.stride(0),
+        cos.stride(0), k_row, k_head, k_pos, eps=eps, sm_scale=head_dim ** -0.5, GROUP=group, HEAD_DIM=head_dim,
+        G=max(16, triton.next_power_of_2(group)), D=D, BLOCK=32, SPLITS=splits)
+    out = torch.empty(R, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    _merge[(R * heads,)](o, lse, out, HEAD_DIM=head_dim, D=D, SPLITS=splits)
     return out
 
 
@@ -211,16 +255,19 @@ decode_attention.register_fake(lambda qkv, cache_k, *args: qkv.new_empty(qkv.sha
 @torch.library.custom_op("qwen3_fast::sample", mutates_args=())
 def sample(logits: Tensor, seed: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
     """Token ids (R,) drawn from softmax(logits / temperature) (R, V) cut to the top_k (<= 64) largest, then to
-    top_p, with Gumbel noise from `seed` (a 1-element int tensor): the best top_k of each chunk of 1,024 logits, then
-    the draw from those: one kernel twice."""
-    (R, V), KP = logits.shape, triton.next_power_of_2(top_k)
-    N = triton.cdiv(V, 1024) * top_k  # candidates per row
-    values, ids = logits.new_empty(R, N, dtype=torch.float32), logits.new_empty(R, N, dtype=torch.long)
+    top_p, with Gumbel noise from `seed` (a 1-element int tensor). One kernel twice: the best top_k of each chunk
+    of 1,024 logits, then the draw from those."""
+    R, V = logits.shape
+    KP = triton.next_power_of_2(top_k)
+    chunks = triton.cdiv(V, 1024)
+    N = chunks * top_k  # candidates per row
+    values = logits.new_empty(R, N, dtype=torch.float32)
+    ids = logits.new_empty(R, N, dtype=torch.long)
     token = ids.new_empty(R)
-    _sample[(R, N // top_k)](logits.contiguous(), values, ids, seed, token, V, temperature, top_p, K=top_k, KP=KP,
-                             BLOCK=1024, DRAW=False)
-    _sample[(R, 1)](values, values, ids, seed, token, N, 1.0, top_p, K=top_k, KP=KP, BLOCK=triton.next_power_of_2(N),
-                    DRAW=True, num_warps=8)
+    _sample[(R, chunks)](logits.contiguous(), values, ids, seed, token, V, temperature, top_p, K=top_k, KP=KP,
+                         BLOCK=1024, DRAW=False)
+    _sample[(R, 1)](values, values, ids, seed, token, N, 1.0, top_p, K=top_k, KP=KP,
+                    BLOCK=triton.next_power_of_2(N), DRAW=True, num_warps=8)
     return token
 
 

@@ -1,5 +1,6 @@
 """Qwen3 (dense) for fast decoding: fused projections, a static KV cache, and one forward for prefill and decode."""
-import glob, json, os, pathlib
+import json
+import pathlib
 from dataclasses import dataclass, fields
 
 import torch
@@ -12,6 +13,13 @@ import kernels
 
 class UserError(Exception):
     """Bad input: the command-line tools print it as one line instead of a traceback."""
+
+
+def read_json(path) -> dict:
+    try:
+        return json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # ValueError: not UTF-8, or not JSON
+        raise UserError(f"{path}: not a readable JSON file ({e})") from None
 
 
 @dataclass
@@ -32,12 +40,15 @@ class ModelArgs:
     @classmethod
     def from_config(cls, cfg: dict) -> "ModelArgs":
         """From a Hugging Face Qwen3 config.json, or from the config.json our converter writes."""
-        arch = (cfg.get("architectures") or ["Qwen3ForCausalLM"])[0]
-        if arch != "Qwen3ForCausalLM":
-            raise UserError(f"architecture {arch} is not supported: only dense Qwen3 (Qwen3ForCausalLM) is")
+        architecture = (cfg.get("architectures") or ["Qwen3ForCausalLM"])[0]
+        model_type = cfg.get("model_type", "qwen3")
+        if architecture != "Qwen3ForCausalLM" or model_type != "qwen3":
+            raise UserError(f"{architecture} (model_type {model_type}) is not supported: only dense Qwen3 is "
+                            "(Qwen3ForCausalLM, model_type qwen3)")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}  # new style, then old
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise UserError(f"rope type {rope.get('rope_type', rope.get('type'))} is not supported: only default RoPE")
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise UserError(f"rope type {rope_type} is not supported: only default RoPE")
         if cfg.get("use_sliding_window"):
             raise UserError("sliding-window attention is not supported: set use_sliding_window to false")
         args = cls(**{f.name: cfg[f.name] for f in fields(cls) if cfg.get(f.name) is not None})
@@ -46,28 +57,12 @@ class ModelArgs:
             args.head_dim = args.hidden_size // args.num_attention_heads
         return args
 
-    @classmethod
-    def from_name(cls, name: str) -> "ModelArgs":
-        if name not in PRESETS:
-            raise UserError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
-        return cls(*PRESETS[name][:5], 16 if name == "tiny" else 128, tie_word_embeddings=PRESETS[name][5])
-
-
-PRESETS = {  # hidden, intermediate, layers, heads, kv heads, tied embeddings (from the published config.json files)
-    "tiny": (64, 128, 2, 4, 2, True),
-    "0.6B": (1024, 3072, 28, 16, 8, True),
-    "1.7B": (2048, 6144, 28, 16, 8, True),
-    "4B": (2560, 9728, 36, 32, 8, True),
-    "8B": (4096, 12288, 36, 32, 8, False),
-    "14B": (5120, 17408, 40, 40, 8, False),
-    "32B": (5120, 25600, 64, 64, 8, False),
-}
-
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:  # as transformers: normalise in fp32, cast back, then scale
         xf = x.float()
@@ -87,29 +82,36 @@ class Int8Linear(nn.Module):
         return F.linear(x, self.weight.to(x.dtype)) * self.scale
 
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel int8: w ~= q * scale[:, None]."""
+def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric per-output-channel int8: w ~= q * scale[:, None]. Returns (q, scale)."""
     scale = w.float().abs().amax(dim=1).clamp(min=1e-8) / 127
-    return (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
+    q = (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return q, scale
 
 
 def linear(args: ModelArgs, n_in: int, n_out: int) -> nn.Module:
-    return Int8Linear(n_in, n_out) if args.quantization == "int8" else nn.Linear(n_in, n_out, bias=False)
+    if args.quantization == "int8":
+        return Int8Linear(n_in, n_out)
+    return nn.Linear(n_in, n_out, bias=False)
 
 
-def project(x: Tensor, proj: nn.Module, norm: RMSNorm | None = None, gated: bool = False,
+def project(proj: nn.Module, x: Tensor, *, fused: bool, norm: RMSNorm | None = None, gated: bool = False,
             residual: Tensor | None = None) -> Tensor:
-    """residual + proj(norm(x)), or proj(silu(gate) * up) of x = [gate, up]: one fused kernel for a decode token
-    on CUDA, PyTorch's ops (the reference) otherwise."""
-    if kernels.usable(x):
-        return kernels.gemv(x, proj.weight, getattr(proj, "scale", None), norm.weight if norm else None,
-                            norm.eps if norm else 0.0, gated, residual)
+    """residual + proj(a), where a is norm(x) with `norm`, silu(gate) * up of x = [gate, up] with `gated`, else x.
+    fused: one Triton kernel (one token on CUDA); otherwise PyTorch's ops, which are the kernel's reference."""
+    if fused:
+        norm_weight = None if norm is None else norm.weight
+        eps = 0.0 if norm is None else norm.eps
+        return kernels.gemv(x, proj.weight, scale=getattr(proj, "scale", None), norm=norm_weight, eps=eps,
+                            gated=gated, residual=residual)
     if norm is not None:
         x = norm(x)
     if gated:
         gate, up = x.chunk(2, dim=-1)
         x = F.silu(gate) * up
-    return proj(x) if residual is None else residual + proj(x)
+    if residual is None:
+        return proj(x)
+    return residual + proj(x)
 
 
 class StaticKVCache(nn.Module):
@@ -124,7 +126,8 @@ class StaticKVCache(nn.Module):
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
     def update(self, rows: slice, positions: Tensor, k: Tensor, v: Tensor, kv_len: int) -> tuple[Tensor, Tensor]:
-        """Writes k, v (R, T, kv_heads, head_dim) at (row, position) pairs; returns the first kv_len positions."""
+        """Writes k, v (R, T, kv_heads, head_dim) at (row, position) pairs; returns the keys and values of the
+        first kv_len positions of those rows."""
         r = torch.arange(positions.shape[0], device=positions.device)[:, None]
         self.k[rows][r, :, positions] = k
         self.v[rows][r, :, positions] = v
@@ -136,30 +139,46 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # split-halves l
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+@dataclass
+class ForwardContext:
+    """What every layer needs to know about the tokens of one forward pass besides their activations."""
+    rows: slice  # the cache rows of the batch
+    positions: Tensor  # (R, T) absolute positions of the tokens
+    cos: Tensor  # (R, T, 1, head_dim) RoPE at those positions
+    sin: Tensor
+    mask: Tensor | None  # (R, 1, T, kv_len), True where a token may attend; None when fused
+    fused: bool  # one token on CUDA: the Triton kernels run
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.n_heads, self.n_kv, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+        self.n_heads = args.num_attention_heads
+        self.n_kv = args.num_key_value_heads
+        self.head_dim = args.head_dim
         self.qkv_proj = linear(args, args.hidden_size, (self.n_heads + 2 * self.n_kv) * self.head_dim)
         self.o_proj = linear(args, self.n_heads * self.head_dim, args.hidden_size)
-        self.q_norm, self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps), RMSNorm(self.head_dim, args.rms_norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
         self.kv_cache: StaticKVCache | None = None
 
-    def forward(self, x: Tensor, norm: RMSNorm, cos: Tensor, sin: Tensor, mask: Tensor, rows: slice,
-                positions: Tensor) -> Tensor:
-        """x + attention(norm(x))."""
+    def forward(self, x: Tensor, norm: RMSNorm, residual: Tensor, ctx: ForwardContext) -> Tensor:
+        """residual + attention(norm(x))."""
         R, T, _ = x.shape
-        qkv, cache = project(x, self.qkv_proj, norm), self.kv_cache
-        if kernels.usable(x):  # norms, RoPE, cache write and attention in one kernel
-            y = kernels.decode_attention(qkv, cache.k, cache.v, rows.start or 0, positions[:, 0], cos, sin,
-                                         self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.n_heads)
+        qkv = project(self.qkv_proj, x, norm=norm, fused=ctx.fused)
+        cache = self.kv_cache
+        if ctx.fused:  # the q/k norms, RoPE, the cache write and attention in one kernel
+            y = kernels.decode_attention(qkv, cache.k, cache.v, ctx.rows.start or 0, ctx.positions[:, 0], ctx.cos,
+                                         ctx.sin, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                         self.n_heads)
         else:
             q, k, v = qkv.view(R, T, -1, self.head_dim).split([self.n_heads, self.n_kv, self.n_kv], dim=2)
-            q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
-            keys, values = cache.update(rows, positions, k, v, mask.shape[-1])
-            y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
+            q = apply_rope(self.q_norm(q), ctx.cos, ctx.sin)
+            k = apply_rope(self.k_norm(k), ctx.cos, ctx.sin)
+            keys, values = cache.update(ctx.rows, ctx.positions, k, v, ctx.mask.shape[-1])
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=ctx.mask, enable_gqa=True)
             y = y.transpose(1, 2)
-        return project(y.reshape(R, T, -1), self.o_proj, residual=x)
+        return project(self.o_proj, y.reshape(R, T, -1), residual=residual, fused=ctx.fused)
 
 
 class MLP(nn.Module):
@@ -168,9 +187,10 @@ class MLP(nn.Module):
         self.gate_up_proj = linear(args, args.hidden_size, 2 * args.intermediate_size)
         self.down_proj = linear(args, args.intermediate_size, args.hidden_size)
 
-    def forward(self, x: Tensor, norm: RMSNorm) -> Tensor:
-        """x + mlp(norm(x))."""
-        return project(project(x, self.gate_up_proj, norm), self.down_proj, gated=True, residual=x)
+    def forward(self, x: Tensor, norm: RMSNorm, residual: Tensor, ctx: ForwardContext) -> Tensor:
+        """residual + down(silu(gate) * up) of norm(x)."""
+        gate_up = project(self.gate_up_proj, x, norm=norm, fused=ctx.fused)
+        return project(self.down_proj, gate_up, gated=True, residual=residual, fused=ctx.fused)
 
 
 class Block(nn.Module):
@@ -181,8 +201,10 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: Tensor, *attn_args) -> Tensor:
-        return self.mlp(self.self_attn(x, self.input_layernorm, *attn_args), self.post_attention_layernorm)
+    def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
+        # Each norm is applied inside the first projection after it, each residual add inside the last one.
+        h = self.self_attn(x, norm=self.input_layernorm, residual=x, ctx=ctx)
+        return self.mlp(h, norm=self.post_attention_layernorm, residual=h, ctx=ctx)
 
 
 class Transformer(nn.Module):
@@ -194,10 +216,11 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(Block(args) for _ in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False) if args.tie_word_embeddings else \
-            linear(args, args.hidden_size, args.vocab_size)  # int8 too, unless it is the embedding
         if args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
             self.lm_head.weight = self.embed_tokens.weight
+        else:
+            self.lm_head = linear(args, args.hidden_size, args.vocab_size)
 
     def setup_cache(self, slots: int, capacity: int):
         """Allocates a StaticKVCache per layer and the RoPE table for positions [0, capacity)."""
@@ -205,55 +228,88 @@ class Transformer(nn.Module):
         if capacity > a.max_position_embeddings:
             raise UserError(f"cache length {capacity} is over the model's {a.max_position_embeddings} positions: "
                             "shorten the prompt or lower --max-new-tokens / --cache-len")
-        device, dtype = self.norm.weight.device, self.norm.weight.dtype
+        device = self.norm.weight.device
+        dtype = self.norm.weight.dtype
         # One spare position, never attended: every attended prefix is then a strict slice of the buffer, so a
         # compiled step's contiguity guards don't fail (and recompile) when the prefix reaches the capacity.
         for layer in self.layers:
             layer.self_attn.kv_cache = StaticKVCache(slots, a.num_key_value_heads, capacity + 1, a.head_dim, dtype,
                                                      device)
-        # Angles in fp32 on the CPU as transformers computes them (an elementwise product, not a matmul).
+        # Angles in fp32 on the CPU as transformers computes them (an elementwise product, not a matmul); the
+        # table is kept in the model's dtype because transformers casts it so before rotating.
         inv_freq = 1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.float) / a.head_dim))
         angles = torch.arange(capacity, dtype=torch.float)[:, None] * inv_freq.repeat(2)  # both halves alike
-        self.register_buffer("rope_cos", angles.cos().to(device, dtype), persistent=False)  # in the model's dtype:
-        self.register_buffer("rope_sin", angles.sin().to(device, dtype), persistent=False)  # transformers casts it so
+        self.register_buffer("rope_cos", angles.cos().to(device, dtype), persistent=False)
+        self.register_buffer("rope_sin", angles.sin().to(device, dtype), persistent=False)
         self.register_buffer("key_positions", torch.arange(capacity, device=device), persistent=False)
 
     def forward(self, tokens: Tensor, positions: Tensor, kv_positions: Tensor, rows: slice = slice(None),
-                last_only: bool = False) -> Tensor:
-        """tokens, positions: (R, T) for cache rows `rows`; kv_positions: the cache prefix to attend over
-        (a slice of key_positions covering every position written so far). Returns logits (R, T or 1, vocab)."""
+                last_only: bool = False, use_kernels: bool = False) -> Tensor:
+        """tokens, positions: (R, T) for cache rows `rows`; kv_positions: the cache prefix to attend over (a slice
+        of key_positions covering every position written so far). use_kernels: the Triton kernels run where they
+        apply, for a single token. Returns logits (R, T, vocab), or (R, 1, vocab) with last_only."""
+        fused = use_kernels and tokens.numel() == 1
+        mask = None
+        if not fused:  # causal, which also hides unwritten and stale slots
+            mask = (kv_positions <= positions[..., None])[:, None]
+        cos = self.rope_cos[positions][:, :, None]
+        sin = self.rope_sin[positions][:, :, None]
+        ctx = ForwardContext(rows=rows, positions=positions, cos=cos, sin=sin, mask=mask, fused=fused)
         x = self.embed_tokens(tokens)
-        cos, sin = self.rope_cos[positions][:, :, None], self.rope_sin[positions][:, :, None]
-        # (R, 1, T, kv_len): causal, and hides unwritten slots; the one-token kernel path needs none
-        mask = None if kernels.usable(x) else (kv_positions <= positions[..., None])[:, None]
         for layer in self.layers:
-            x = layer(x, cos, sin, mask, rows, positions)
-        x = x[:, -1:] if last_only else x
-        return project(x, self.lm_head, self.norm)
+            x = layer(x, ctx)
+        if last_only:
+            x = x[:, -1:]
+        return project(self.lm_head, x, norm=self.norm, fused=fused)
+
+    def weight_bytes(self) -> int:
+        """Bytes a decode step reads from the weights: all of them but the embedding, unless lm_head is it."""
+        tensors = {t.data_ptr(): t for name, t in self.state_dict().items()
+                   if name != "embed_tokens.weight" or self.args.tie_word_embeddings}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     @classmethod
     def from_checkpoint(cls, path: str, device, dtype) -> "Transformer":
         """Loads a directory written by convert_hf_checkpoint.py, straight to `device` (no second copy)."""
         from safetensors.torch import load_file
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise UserError(f"no converted checkpoint at {path}: run python convert_hf_checkpoint.py --repo "
-                            "Qwen/Qwen3-0.6B (or --checkpoint-dir DIR), then pass --checkpoint DIR/converted")
-        args = ModelArgs.from_config(json.loads(pathlib.Path(path, "config.json").read_text()))
-        files = sorted(glob.glob(os.path.join(path, "model*.safetensors")))
-        state = {k: v for file in files for k, v in load_file(file, device=str(device)).items()}
-        if (args.quantization == "int8") != any(k.endswith(".scale") for k in state):
-            raise UserError(f"{path}: config.json and the weights disagree on int8 quantization; convert it again")
-        try:
-            return cls.from_state_dict(args, {k: v if v.dtype == torch.int8 else v.to(dtype) for k, v in state.items()})
-        except RuntimeError as e:
-            raise UserError(f"{path}: weights do not match config.json ({str(e).splitlines()[-1].strip()}); reconvert")
+        config = pathlib.Path(path, "config.json")
+        if not config.is_file():
+            raise UserError(f"no converted checkpoint at {path}: convert one with convert_hf_checkpoint.py "
+                            "and pass its output directory to --checkpoint")
+        cfg = read_json(config)
+        if "quantization" not in cfg:  # every config.json our converter writes has it
+            raise UserError(f"{path} is a Hugging Face snapshot: convert it first "
+                            f"(python convert_hf_checkpoint.py --checkpoint-dir {path})")
+        args = ModelArgs.from_config(cfg)
+        files = sorted(pathlib.Path(path).glob("model*.safetensors"))
+        if not files:
+            raise UserError(f"{path}: no model*.safetensors files; convert the checkpoint again")
+        state = {}
+        for file in files:
+            try:
+                state.update(load_file(file, device=str(device)))
+            except Exception as e:  # safetensors' own error type: a truncated or corrupt file
+                raise UserError(f"{file}: cannot be read ({e}); convert the checkpoint again") from None
+        state = {name: t if t.dtype == torch.int8 else t.to(dtype) for name, t in state.items()}
+        return cls.from_state_dict(args, state, source=path)
 
     @classmethod
-    def from_state_dict(cls, args: ModelArgs, state: dict) -> "Transformer":
+    def from_state_dict(cls, args: ModelArgs, state: dict, source: str = "the weights") -> "Transformer":
         """Builds the model around the tensors of `state` without copying them (meta device, then assign)."""
         with torch.device("meta"):
             model = cls(args)
-        if args.tie_word_embeddings and "embed_tokens.weight" in state:
+        expected = model.state_dict()
+        if args.tie_word_embeddings:
+            del expected["lm_head.weight"]  # the embedding serves as lm_head
+        missing = sorted(expected.keys() - state.keys())
+        unexpected = sorted(state.keys() - expected.keys())
+        wrong = [name for name in expected.keys() & state.keys() if expected[name].shape != state[name].shape]
+        if missing or unexpected or wrong:
+            problem = f"{len(missing)} tensors missing, {len(unexpected)} unexpected, {len(wrong)} of another shape"
+            example = (missing + unexpected + wrong)[0]
+            raise UserError(f"{source}: weights do not match config.json ({problem}, e.g. {example}); "
+                            "convert the checkpoint again")
+        if args.tie_word_embeddings:
             state["lm_head.weight"] = state["embed_tokens.weight"]
         model.load_state_dict(state, strict=True, assign=True)
         if args.tie_word_embeddings:  # assign made two Parameters of one tensor: make them one again
