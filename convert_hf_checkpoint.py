@@ -1,12 +1,12 @@
-"""Converts a Hugging Face Qwen3 snapshot into qwen3-fast weights (fused qkv_proj and gate_up_proj, safetensors).
+"""Converts a Hugging Face Qwen3 snapshot into qwen3-fast weights (fused qkv and gate-up, safetensors).
 
-    python convert_hf_checkpoint.py --repo Qwen/Qwen3-0.6B                                # downloads it first
-    python convert_hf_checkpoint.py --checkpoint-dir checkpoints/Qwen/Qwen3-8B            # writes .../converted
-    python convert_hf_checkpoint.py --checkpoint-dir checkpoints/Qwen/Qwen3-8B --int8     # writes .../converted-int8
+    python convert_hf_checkpoint.py --repo Qwen/Qwen3-0.6B                         # downloads it first
+    python convert_hf_checkpoint.py --checkpoint-dir checkpoints/Qwen/Qwen3-8B     # writes .../converted
+    python convert_hf_checkpoint.py --checkpoint-dir checkpoints/Qwen/Qwen3-8B --int8   # .../converted-int8
 
-Tensors are read one at a time and written in shards, so memory stays near one shard however large the model is.
-The output is written next to its destination and renamed into place when complete; it replaces only an earlier
-output of this script.
+Tensors are read one at a time and written in shards, so memory stays near one shard whatever the model's
+size. The output is written beside its destination and renamed into place when complete; it replaces only an
+earlier output of this script.
 """
 import argparse
 import dataclasses
@@ -54,14 +54,7 @@ def list_tensors(src: pathlib.Path) -> dict[str, str]:
     """Every tensor name of the snapshot -> the file that holds it."""
     files = sorted(src.glob("*.safetensors"))
     if not files:
-        if list(src.glob("*.bin")) or list(src.glob("*.pt*")):
-            raise UserError(f"{src}: only .bin/.pt weights found; safetensors only, download the safetensors files")
-        raise UserError(f"{src}: no *.safetensors weights found")
-    index = src / "model.safetensors.index.json"
-    if index.is_file():
-        missing = set(read_json(index).get("weight_map", {}).values()) - {p.name for p in files}
-        if missing:
-            raise UserError(f"{src}: shard {sorted(missing)[0]} named in the index is missing; download it")
+        raise UserError(f"{src}: no *.safetensors weights found (safetensors only: .bin/.pt are not read)")
     tensors = {}
     for file in files:
         try:
@@ -72,12 +65,8 @@ def list_tensors(src: pathlib.Path) -> dict[str, str]:
     return tensors
 
 
-def is_converted(cfg: dict) -> bool:
-    return "quantization" in cfg  # every config.json this script writes has it, and no Hugging Face one
-
-
 def check_output(src: pathlib.Path, out: pathlib.Path) -> None:
-    """Refuses, before any work, an output that is the source or would replace what this script did not write."""
+    """Refuses, before any work, an output that is the source or replaces what this script did not write."""
     if out.resolve() == src.resolve():
         raise UserError(f"--output {out} is the source snapshot: choose another directory")
     if not out.exists():
@@ -88,12 +77,12 @@ def check_output(src: pathlib.Path, out: pathlib.Path) -> None:
     if not names:
         return
     ours = all(name in COPIED or name == "config.json" or SHARD_NAME.fullmatch(name) for name in names)
-    try:
-        ours = ours and is_converted(json.loads((out / "config.json").read_text()))
+    try:  # every config.json this script writes says "quantization", and no Hugging Face one does
+        ours = ours and "quantization" in json.loads((out / "config.json").read_text())
     except (OSError, ValueError):
         ours = False
     if not ours:
-        raise UserError(f"--output {out} holds files this script did not write: choose a new or empty directory")
+        raise UserError(f"--output {out} holds files this script did not write: choose a new or empty one")
 
 
 def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) -> None:
@@ -104,12 +93,9 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
     cfg = read_json(src / "config.json")
     if "quantization_config" in cfg:
         raise UserError(f"{src}: quantized Hugging Face checkpoints are not supported; use the bf16 one")
-    ours = is_converted(cfg)  # a directory this script wrote: already fused, may be quantized to int8
+    if "quantization" in cfg:
+        raise UserError(f"{src}: already converted; convert the Hugging Face snapshot it came from")
     args = ModelArgs.from_config(cfg)
-    if int8 and args.quantization:
-        raise UserError(f"{src}: already quantized to {args.quantization}; convert the original checkpoint instead")
-    if ours and not int8:
-        raise UserError(f"{src}: already converted; add --int8 to quantize it, or point at the Hugging Face snapshot")
     if int8:
         args.quantization = "int8"
     check_output(src, out)
@@ -119,7 +105,7 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
         del expected["lm_head.weight"]  # the embedding serves as lm_head
     sources: dict[str, dict[int, tuple[str, str]]] = {}  # our name -> {part: (file, hf name)}
     for hf_name, file in list_tensors(src).items():
-        name, part = (hf_name, 0) if ours else map_name(hf_name)
+        name, part = map_name(hf_name)
         if name == "lm_head.weight" and args.tie_word_embeddings:
             continue
         if name not in expected:
@@ -138,15 +124,16 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
         for name, meta in expected.items():
             if name.endswith(".scale") and name.removesuffix(".scale") + ".weight" in expected:
                 continue  # written with its weight
-            n_parts = 1 if ours else N_PARTS.get(name.split(".")[-2], 1)
+            n_parts = N_PARTS.get(name.split(".")[-2], 1)
             parts = sources.get(name, {})
             if sorted(parts) != list(range(n_parts)):
                 raise UserError(f"{src}: the checkpoint lacks {name} (or one of the tensors fused into it)")
             w = torch.cat([read_tensor(*parts[i]) for i in range(n_parts)])
             if w.shape != meta.shape:
-                raise UserError(f"{src}: {name} has shape {tuple(w.shape)}, config.json implies {tuple(meta.shape)}")
+                raise UserError(f"{src}: {name} has shape {tuple(w.shape)}; config.json implies "
+                                f"{tuple(meta.shape)}")
             scale_name = name.removesuffix(".weight") + ".scale"
-            if scale_name in expected:  # int8 inputs never get here: they are refused above
+            if scale_name in expected:
                 w, shard[scale_name] = quantize_int8(w)
             shard[name] = w.contiguous()
             size += w.numel() * w.element_size()
@@ -173,7 +160,7 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
 
 
 def download(repo: str, local_dir: str | None = None) -> str:
-    """Downloads a Hugging Face repo's weights, config and tokenizer (huggingface_hub); returns the directory."""
+    """Downloads a Hugging Face repo's weights, configs and tokenizer; returns the directory."""
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
@@ -184,22 +171,23 @@ def download(repo: str, local_dir: str | None = None) -> str:
         return snapshot_download(repo, local_dir=local_dir,
                                  allow_patterns=["*.json", "*.safetensors", "*.txt", "tokenizer.model"])
     except Exception as e:  # offline, no such repo, ...: whatever the hub's client raises
-        raise UserError(f"cannot download {repo} ({type(e).__name__}: {str(e).strip().splitlines()[0]})") from None
+        first_line = str(e).strip().splitlines()[0]
+        raise UserError(f"cannot download {repo} ({type(e).__name__}: {first_line})") from None
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--checkpoint-dir", help="a Hugging Face Qwen3 snapshot (config.json + *.safetensors)")
-    ap.add_argument("--repo", help="download this Hugging Face repo first, e.g. Qwen/Qwen3-0.6B (huggingface_hub)")
+    ap.add_argument("--repo", help="download this Hugging Face repo first, e.g. Qwen/Qwen3-0.6B")
     ap.add_argument("--output", help="where to write (default: CHECKPOINT_DIR/converted, or converted-int8)")
-    ap.add_argument("--int8", action="store_true", help="int8 weight-only quantization (blocks, untied lm_head)")
+    ap.add_argument("--int8", action="store_true", help="int8 weight-only (the blocks, an untied lm_head)")
     ap.add_argument("--shard-size-mb", type=int, default=2048, help="size of each output file")
     a = ap.parse_args(argv)
     try:
         if a.repo:
             a.checkpoint_dir = download(a.repo, a.checkpoint_dir)
         if not a.checkpoint_dir:
-            raise UserError("give --checkpoint-dir DIR (a Hugging Face Qwen3 snapshot) or --repo Qwen/Qwen3-0.6B")
+            raise UserError("give --checkpoint-dir DIR (a Hugging Face snapshot) or --repo Qwen/Qwen3-0.6B")
         out = a.output or os.path.join(a.checkpoint_dir, "converted-int8" if a.int8 else "converted")
         convert(a.checkpoint_dir, out, a.int8, a.shard_size_mb << 20)
     except UserError as e:

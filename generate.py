@@ -1,7 +1,7 @@
 """Generates text with Qwen3, fast: a decode step that never syncs with the host, compiled and/or CUDA-graphed.
 
-Prefill runs each prompt in its own cache row; decode steps run on the device alone, and the host looks for stop
-tokens every --check-every steps with one sync.
+Prefill runs each prompt in its own cache row; decode steps run on the device alone, and the host looks for
+stop tokens every --check-every steps with one sync.
 
     python generate.py --compile --prompt "Hello, my name is"
     python generate.py --compile --chat --no-think --prompt "Why is the sky blue?"
@@ -44,20 +44,15 @@ def resolve_sampling(a: argparse.Namespace, generation_config: dict) -> Sampling
     return SamplingParams(**values)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, use_kernels: bool = False) -> torch.Tensor:
+def sample(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Next ids (R,) from logits (R, V) without a host sync. Greedy at temperature 0; otherwise Gumbel-max:
     argmax(logits/T + g) with g ~ Gumbel(0, 1) is an exact draw from softmax(logits/T). top-k and top-p keep
-    static shapes: the candidates come from topk (a full sort when top_k is 0), the filtered ones masked to -inf."""
+    static shapes: the candidates come from topk (a full sort when top_k is 0), the filtered ones masked out."""
     if params.temperature == 0:
         return logits.argmax(-1)
-    if use_kernels and 0 < params.top_k <= 64:  # one kernel launched twice instead of ~25
-        # float(): fed straight from the model's custom ops, inductor (torch 2.11) takes minutes to lower this one
-        seed = torch.randint(2 ** 31 - 1, (1,), device=logits.device)
-        return kernels.sample(logits.float(), seed, params.temperature, params.top_k, params.top_p)
-    scores = logits.float() / params.temperature
     vocab = logits.shape[-1]
     k = params.top_k if 0 < params.top_k < vocab else vocab
-    scores, ids = scores.topk(k)  # sorted, largest first
+    scores, ids = (logits.float() / params.temperature).topk(k)  # sorted, largest first
     if params.top_p < 1:  # keep the smallest head whose mass reaches top_p (the first candidate always stays)
         probs = scores.softmax(-1)
         scores = scores.masked_fill(probs.cumsum(-1) - probs >= params.top_p, float("-inf"))
@@ -66,13 +61,13 @@ def sample(logits: torch.Tensor, params: SamplingParams, use_kernels: bool = Fal
 
 
 class DecodeState:
-    """Every tensor a decode step reads or writes besides the model's own: fixed addresses, updated in place."""
+    """Every tensor a decode step reads or writes besides the model's: fixed addresses, updated in place."""
 
     def __init__(self, batch: int, capacity: int, device):
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)  # the token each row feeds next
         self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)  # and its position
-        self.out = torch.zeros(batch, capacity, dtype=torch.long, device=device)  # every token generated so far
-        self.step = torch.zeros(1, dtype=torch.long, device=device)  # column of `out` the next token goes to
+        self.out = torch.zeros(batch, capacity, dtype=torch.long, device=device)  # the tokens generated so far
+        self.step = torch.zeros(1, dtype=torch.long, device=device)  # the column of `out` the next goes to
         for t in self.tensors():  # lets cudagraph trees keep them as graph inputs instead of copying them
             torch._dynamo.mark_static_address(t)
 
@@ -80,11 +75,11 @@ class DecodeState:
         return self.tokens, self.positions, self.out, self.step
 
 
-def decode_one_token(model: Transformer, state: DecodeState, kv_positions: torch.Tensor, sampling: SamplingParams,
-                     use_kernels: bool) -> None:
+def decode_one_token(model: Transformer, state: DecodeState, kv_positions: torch.Tensor,
+                     sampling: SamplingParams, use_kernels: bool) -> None:
     """One step for every row, device-side only: eager, compiled and graphed modes all run this function."""
     logits = model(state.tokens, state.positions, kv_positions, use_kernels=use_kernels)
-    token = sample(logits[:, -1], sampling, use_kernels)
+    token = sample(logits[:, -1], sampling)
     state.tokens.copy_(token[:, None])
     state.positions.add_(1)
     state.out.index_copy_(1, state.step, token[:, None])
@@ -124,8 +119,8 @@ class CUDAGraphStep:
 
 
 def attended_length(needed: int, capacity: int) -> int:
-    """Attention reads a power-of-two prefix of the cache (at least 256): cost follows the live length, not the
-    capacity, and a compiled or graphed step sees only a few distinct shapes."""
+    """Attention reads a power-of-two prefix of the cache (at least 256): cost follows the live length, not
+    the capacity, and a compiled or graphed step sees only a few distinct shapes."""
     return min(capacity, max(256, 1 << (needed - 1).bit_length()))
 
 
@@ -139,8 +134,8 @@ class GenerationStats:
 
 class Generator:
     """Prefill and the decode loop for up to `batch` prompts at once, in a cache of `capacity` positions.
-    use_kernels: the Triton kernels run wherever they apply (one token of one row); the caller decides, from the
-    device and whether Triton is installed."""
+    use_kernels: the Triton kernels run wherever they apply (one token of one row); the caller decides, from
+    the device and whether Triton is installed."""
 
     def __init__(self, model: Transformer, *, batch: int, capacity: int, sampling: SamplingParams,
                  use_kernels: bool, compile: bool = False, cuda_graph: bool = False):
@@ -165,10 +160,10 @@ class Generator:
         positions = torch.arange(start, end, device=device)[None]
         logits = self.model(torch.tensor([tokens], device=device), positions, self.model.key_positions[:end],
                             rows=slice(row, row + 1), last_only=True, use_kernels=self.use_kernels)
-        return sample(logits[:, -1], self.sampling, self.use_kernels)
+        return sample(logits[:, -1], self.sampling)
 
     def decode_step(self, needed: int) -> None:
-        """One decode step for every row; the rows' positions so far fit in the first `needed` of the cache."""
+        """One step for every row; the rows' positions so far fit in the first `needed` of the cache."""
         kv_positions = self.model.key_positions[:attended_length(needed, self.capacity)]
         torch._dynamo.maybe_mark_dynamic(kv_positions, 0)  # compile once for every attended length
         self.step(kv_positions)
@@ -176,15 +171,16 @@ class Generator:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], *, max_new: int, stop_ids: set, check_every: int = 16,
                  starts: list[int] | None = None, on_tokens=None) -> tuple[list[list[int]], GenerationStats]:
-        """Each prompt in its own cache row at its own length (row b continues from position starts[b]); decodes
-        until every row has produced a stop token or max_new tokens. Returns each row's new tokens, cut before
-        its first stop token, and timings. on_tokens(rows) is called at each check with the tokens so far."""
+        """Each prompt in its own cache row at its own length (row b continues from position starts[b]);
+        decodes until every row has produced a stop token or max_new tokens. Returns each row's new tokens, cut
+        before its first stop token, and timings. on_tokens(rows) is called at each check with the tokens so
+        far."""
         state = self.state
         starts = starts or [0] * len(prompts)
         ends = [start + len(prompt) for start, prompt in zip(starts, prompts)]
         if max(ends) + max_new > self.capacity:
-            raise UserError(f"prompt ({max(ends)} tokens) + max new tokens ({max_new}) is over the cache length "
-                            f"{self.capacity}: raise --cache-len or lower --max-new-tokens")
+            raise UserError(f"prompt ({max(ends)} tokens) + max new tokens ({max_new}) is over the cache "
+                            f"length {self.capacity}: raise --cache-len or lower --max-new-tokens")
         sync = torch.cuda.synchronize if state.tokens.is_cuda else (lambda: None)
         t0 = time.perf_counter()
         for row, (tokens, start) in enumerate(zip(prompts, starts)):
@@ -218,7 +214,7 @@ class Generator:
 
 
 def load_tokenizer(path: str):
-    """(encode, decode) from tokenizer.json (tokenizers) or tokenizer.model (sentencepiece). Qwen3 adds no BOS."""
+    """(encode, decode) from tokenizer.json (tokenizers) or tokenizer.model (sentencepiece). Qwen3 has no BOS."""
     if pathlib.Path(path, "tokenizer.json").is_file():
         from tokenizers import Tokenizer
         tok = Tokenizer.from_file(str(pathlib.Path(path, "tokenizer.json")))
@@ -232,9 +228,9 @@ def load_tokenizer(path: str):
 
 
 class TextStream:
-    """Shows the rows' text as on_tokens reports them. One row streams as it grows: a multi-byte character split
-    across tokens decodes to U+FFFD until its last byte arrives, so trailing U+FFFD is held back and what is
-    printed is always a prefix of the final text. Several rows are printed whole by finish()."""
+    """The on_tokens of generate(): streams one row's text as it grows, or prints every row at the end. A
+    character split across tokens decodes to U+FFFD until its last byte arrives, so trailing U+FFFD is held
+    back: what is printed is always a prefix of the final text."""
 
     def __init__(self, decode, prompts: list[str], file=sys.stdout):
         self.decode = decode
@@ -249,22 +245,21 @@ class TextStream:
             self.show(self.decode(rows[0]).rstrip("\ufffd"))
 
     def show(self, text: str) -> None:
-        if len(text) > len(self.printed):
-            print(text[len(self.printed):], end="", file=self.file, flush=True)
-            self.printed = text
+        print(text[len(self.printed):], end="", file=self.file, flush=True)
+        self.printed = text
 
     def finish(self) -> None:
         """Prints what is left: the rest of one row's text, or every row after its prompt."""
         if len(self.rows) == 1:
             self.show(self.decode(self.rows[0]))
             print(file=self.file)
-            return
-        for prompt, row in zip(self.prompts, self.rows):
-            print(f"--- {prompt}\n{self.decode(row)}", file=self.file)
+        else:
+            for prompt, row in zip(self.prompts, self.rows):
+                print(f"--- {prompt}\n{self.decode(row)}", file=self.file)
 
 
 def chat_turn(user: str, system: str | None = None, no_think: bool = False) -> str:
-    """One user turn in Qwen3's ChatML, opening the assistant's reply (with the empty think block for no_think)."""
+    """One user turn in Qwen3's ChatML, opening the assistant's reply (no_think: with an empty think block)."""
     head = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
     tail = "<think>\n\n</think>\n\n" if no_think else ""
     return f"{head}<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n{tail}"
@@ -292,33 +287,30 @@ class ArgumentParser(argparse.ArgumentParser):
 def parse_args(argv=None) -> argparse.Namespace:
     ap = ArgumentParser(description=__doc__.split("\n")[0])
     g = ap.add_argument_group("model")
-    g.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT,
-                   help=f"a directory written by convert_hf_checkpoint.py (default: {DEFAULT_REPO}, downloaded "
-                   "and converted on first use)")
-    g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
-    g.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: bfloat16 on CUDA, else fp32")
+    g.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, help="a directory that convert_hf_checkpoint.py "
+                   f"wrote (default: {DEFAULT_REPO}, downloaded and converted on first use)")
+    g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda, cuda:N")
+    g.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: bf16 on CUDA, else fp32")
     g = ap.add_argument_group("prompt")
     g.add_argument("--prompt", action="append", help="repeat it for a batch: one cache row per prompt")
     g.add_argument("--prompt-file", help="one prompt per line (UTF-8), decoded together as a batch")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in Qwen3's chat template")
     g.add_argument("--system", help="system message for --chat")
     g.add_argument("--no-think", action="store_true", help="with --chat: answer without a thinking block")
-    g.add_argument("--interactive", action="store_true", help="chat turn after turn, keeping the history cached")
+    g.add_argument("--interactive", action="store_true", help="chat turn after turn, the history cached")
     g = ap.add_argument_group("sampling (defaults: the checkpoint's generation_config.json, else greedy)")
-    g.add_argument("--temperature", type=checked(float, ">= 0", lambda v: 0 <= v < math.inf),
-                   help="0 is greedy")
+    g.add_argument("--temperature", type=checked(float, ">= 0", lambda v: 0 <= v < math.inf), help="0: greedy")
     g.add_argument("--top-k", type=checked(int, ">= 0", lambda v: v >= 0), help="0 keeps every token")
-    g.add_argument("--top-p", type=checked(float, "in (0, 1]", lambda v: 0 < v <= 1), help="in (0, 1]; 1 keeps every token")
+    g.add_argument("--top-p", type=checked(float, "in (0, 1]", lambda v: 0 < v <= 1), help="1 keeps every token")
     g.add_argument("--seed", type=int, help="makes sampling reproducible")
     g.add_argument("--max-new-tokens", type=POSITIVE, default=200)
     g.add_argument("--stop-ids", type=int, nargs="*", default=[], help="stop tokens besides the checkpoint's eos")
     g = ap.add_argument_group("speed")
-    g.add_argument("--compile", action="store_true", help="torch.compile the decode step (mode reduce-overhead)")
+    g.add_argument("--compile", action="store_true", help="torch.compile the decode step (reduce-overhead)")
     g.add_argument("--cuda-graph", action="store_true", help="capture the decode step as CUDA graphs by hand")
-    g.add_argument("--check-every", type=POSITIVE, default=16,
-                   help="decode steps between stop checks (one sync each)")
-    g.add_argument("--cache-len", type=POSITIVE, help="KV cache positions (default: prompt + max new tokens, "
-                   "or 8192 with --interactive)")
+    g.add_argument("--check-every", type=POSITIVE, default=16, help="decode steps between stop checks (a sync)")
+    g.add_argument("--cache-len", type=POSITIVE, help="KV cache positions (default: prompt + max new tokens; "
+                   "8192 with --interactive)")
     g.add_argument("--json", action="store_true", help="the report as one JSON line instead of a sentence")
     a = ap.parse_args(argv)
     if not re.fullmatch(r"cpu|cuda(:\d+)?", a.device):
@@ -389,8 +381,8 @@ def run(a: argparse.Namespace) -> None:
         return chat(gen, a, encode, decode, stop_ids)
     stream = TextStream(decode, texts)
     try:
-        _, stats = gen.generate(prompts, max_new=a.max_new_tokens, stop_ids=stop_ids, check_every=a.check_every,
-                                on_tokens=stream)
+        _, stats = gen.generate(prompts, max_new=a.max_new_tokens, stop_ids=stop_ids,
+                                check_every=a.check_every, on_tokens=stream)
     finally:  # on Ctrl-C too: what was generated so far
         stream.finish()
     print(report(stats, model, stream.rows, a), file=sys.stderr)
@@ -417,7 +409,7 @@ def report(stats: GenerationStats, model: Transformer, rows: list[list[int]], a:
 
 
 def chat(gen: Generator, a: argparse.Namespace, encode, decode, stop_ids: set) -> None:
-    """Turn after turn in cache row 0: each turn prefills only its own tokens after the history already cached.
+    """Turn after turn in cache row 0: each turn prefills only its own tokens after the cached history.
     Ctrl-C stops a reply; Ctrl-C or Ctrl-D at the prompt ends the conversation."""
     history = 0  # positions of row 0 that hold the conversation
     pending = []  # reply tokens not yet in the cache
@@ -450,8 +442,8 @@ def chat(gen: Generator, a: argparse.Namespace, encode, decode, stop_ids: set) -
         if interrupted and not reply:  # stopped before its first token: the turn is dropped
             continue
         system = None
-        # The cache holds the turn and every reply token but perhaps the last (a reply cut short never fed it
-        # back): that one is fed again with the next turn, at the same position.
+        # The cache holds the turn and every reply token but perhaps the last (a reply cut short never fed
+        # it back): that one is fed again with the next turn, at the same position.
         fed = max(len(reply) - 1, 0)
         history += len(turn) + fed
         pending = reply[fed:]

@@ -1,10 +1,10 @@
-"""Triton kernels for one-token decode steps on CUDA: a matrix-vector product with its neighbours fused in, split-KV
-attention for one query with the q/k norms, RoPE and the cache write fused in, and top-k/top-p sampling. model.py and
-generate.py use PyTorch's ops where these don't apply (the CPU, several tokens), and as their reference in tests.
+"""Triton kernels for one-token decode steps on CUDA: a matrix-vector product with its neighbours fused in,
+and split-KV attention for one query with the q/k norms, RoPE and the cache write fused in. model.py uses
+PyTorch's ops where these don't apply (the CPU, several tokens), and as their reference in tests.
 
 Why: a graphed decode step at batch 1 is bound by its many small kernels. Each kernel costs a launch gap and a
-ramp-up even inside a CUDA graph, so these fuse what surrounds each product: six kernels a layer instead of eleven,
-and a sampler of two launches instead of about 25 (bench/RESULTS.md has the measurements)."""
+ramp-up even inside a CUDA graph, so these fuse what surrounds each product: six kernels a layer instead of
+eleven (bench/RESULTS.md has the measurements)."""
 import torch
 from torch import Tensor
 
@@ -21,16 +21,18 @@ if triton is not None:
     @triton.jit
     def _gemv(x, w, scale, norm, res, out, N, K, eps: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
               SCALE: tl.constexpr, RES: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PACK: tl.constexpr):
-        # out[n] = res[n] + scale[n] * sum_k w[n, k] * a[k], a = x * norm / rms(x) or silu(x[:K]) * x[K:]. int8
-        # weights come as int32 words of PACK = 4 bytes, and integer operations make each byte fp32 (the float bits
-        # 0x4B000000 | byte ^ 0x80 are 2^23 + 128 + its value): a conversion instruction per byte would be the limit.
+        # out[n] = res[n] + scale[n] * sum_k w[n, k] * a[k], a = x * norm / rms(x) or silu(x[:K]) * x[K:].
+        # int8 weights come as int32 words of PACK = 4 bytes, and integer operations make each byte fp32 (the
+        # float bits 0x4B000000 | byte ^ 0x80 are 2^23 + 128 + its value): a conversion instruction per byte
+        # would be the limit.
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         KW = K // PACK
         acc = tl.zeros([BN, BK], tl.float32)
         squares = tl.zeros([BK], tl.float32)
         for k0 in range(0, KW, BK):
             words = k0 + tl.arange(0, BK)
-            wt = tl.load(w + n[:, None] * KW + words[None, :], mask=(n[:, None] < N) & (words[None, :] < KW), other=0)
+            wmask = (n[:, None] < N) & (words[None, :] < KW)
+            wt = tl.load(w + n[:, None] * KW + words[None, :], mask=wmask, other=0)
             for i in tl.static_range(PACK):
                 k = words * PACK + i
                 a = tl.load(x + k, mask=k < K, other=0.0).to(tl.float32)
@@ -55,8 +57,8 @@ if triton is not None:
 
     @triton.jit
     def _norm_rope(x, rows, rowmask, w, cos, sin, eps, HEAD_DIM: tl.constexpr, D: tl.constexpr):
-        # RMSNorm over each row's head_dim, times w, then RoPE in the split-halves layout: as q_norm/k_norm and
-        # apply_rope in model.py, in fp32.
+        # RMSNorm over each row's head_dim, times w, then RoPE in the split-halves layout: as q_norm/k_norm
+        # and apply_rope in model.py, in fp32.
         d = tl.arange(0, D)
         other = tl.where(d < HEAD_DIM // 2, d + HEAD_DIM // 2, d - HEAD_DIM // 2)  # rotate_half's partner
         mask = rowmask[:, None] & (d[None, :] < HEAD_DIM)
@@ -69,14 +71,15 @@ if triton is not None:
         return (xd * wd[None, :] * cos[None, :] + rotated) * rstd
 
     @triton.jit
-    def _attention(qkv, k, v, first_row, pos, cos, sin, q_norm, k_norm, o, lse, qkv_row, cs_row, k_row, k_head,
-                   k_pos, eps: tl.constexpr, sm_scale: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr):
+    def _attention(qkv, k, v, first_row, pos, cos, sin, q_norm, k_norm, o, lse, qkv_row, cs_row, k_row,
+                   k_head, k_pos, eps: tl.constexpr, sm_scale: tl.constexpr, GROUP: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+                   SPLITS: tl.constexpr):
         # Program (row, kv head h, split s), from the row's fused q|k|v projection: normalises and rotates the
-        # GROUP query heads of h and the new key, attends over the split's share of the row's live keys (positions
-        # <= the query's: the cost follows the live length, not the cache's) and writes the softmax-normalised
-        # partial output and its log-sum-exp for the merge. The new key and value are used from registers, and
-        # split 0 writes them to the cache: no program reads position p from memory this step.
+        # GROUP query heads of h and the new key, attends over the split's share of the row's live keys
+        # (positions <= the query's: the cost follows the live length, not the cache's) and writes the
+        # softmax-normalised partial output and its log-sum-exp for the merge. The new key and value are used
+        # from registers, and split 0 writes them to the cache: no program reads position p from memory.
         r = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -91,11 +94,11 @@ if triton is not None:
         row = qkv + r * qkv_row
         qt = _norm_rope(row, (h * GROUP + g) * HEAD_DIM, g < GROUP, q_norm, cs, sn, eps, HEAD_DIM, D)
         qt = qt.to(k.dtype.element_ty)  # rounded as the model's activations are
-        # The new key and value: one head each, loaded as a G-row block whose row 0 alone is real, then summed.
-        first = tl.zeros([G], tl.int32)
-        new_k = tl.sum(_norm_rope(row, first + (H + h) * HEAD_DIM, g < 1, k_norm, cs, sn, eps, HEAD_DIM, D), axis=0)
-        new_k = new_k.to(k.dtype.element_ty)
-        v_offsets = (first[:, None] + H + KV_HEADS + h) * HEAD_DIM + d[None, :]
+        # The new key and value: one head each, loaded as G rows of which row 0 alone is real, then summed.
+        zero = tl.zeros([G], tl.int32)
+        new_k = _norm_rope(row, zero + (H + h) * HEAD_DIM, g < 1, k_norm, cs, sn, eps, HEAD_DIM, D)
+        new_k = tl.sum(new_k, axis=0).to(k.dtype.element_ty)
+        v_offsets = (zero[:, None] + H + KV_HEADS + h) * HEAD_DIM + d[None, :]
         new_v = tl.sum(tl.load(row + v_offsets, mask=(g[:, None] < 1) & dmask[None, :], other=0.0), axis=0)
         cache = (first_row + r) * k_row + h * k_head
         here = cache + p * k_pos + d
@@ -107,7 +110,7 @@ if triton is not None:
         hi = tl.minimum(lo + chunk, p + 1)
         end = tl.minimum(hi, p)  # keys before the new one
         m = tl.full([G], -1e30, tl.float32)
-        l = tl.zeros([G], tl.float32)  # noqa: E741 (the softmax's running sum, as in the flash-attention papers)
+        total = tl.zeros([G], tl.float32)  # the softmax's denominator so far
         acc = tl.zeros([G, D], tl.float32)
         for start in range(lo, end, BLOCK):
             j = start + tl.arange(0, BLOCK)
@@ -120,7 +123,7 @@ if triton is not None:
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             e = tl.exp(scores - m_new[:, None])
             alpha = tl.exp(m - m_new)
-            l = l * alpha + tl.sum(e, axis=1)  # noqa: E741
+            total = total * alpha + tl.sum(e, axis=1)
             acc = acc * alpha[:, None] + tl.dot(e.to(vt.dtype), vt, input_precision="ieee")
             m = m_new
         own = (lo <= p) & (p < hi)  # the split whose share holds the new key
@@ -129,13 +132,13 @@ if triton is not None:
         m_new = tl.maximum(m, score)
         e = tl.exp(score - m_new)
         alpha = tl.exp(m - m_new)
-        l = l * alpha + e  # noqa: E741
+        total = total * alpha + e
         acc = acc * alpha[:, None] + e[:, None] * new_v.to(tl.float32)[None, :]
         m = m_new
         out = (r * H + h * GROUP + g) * SPLITS + s  # index into (rows, heads, SPLITS)
-        tl.store(o + out[:, None] * HEAD_DIM + d[None, :], acc / tl.where(l > 0, l, 1.0)[:, None],
+        tl.store(o + out[:, None] * HEAD_DIM + d[None, :], acc / tl.where(total > 0, total, 1.0)[:, None],
                  mask=(g[:, None] < GROUP) & dmask[None, :])
-        tl.store(lse + out, m + tl.log(l), mask=g < GROUP)  # -inf for an empty split
+        tl.store(lse + out, m + tl.log(total), mask=g < GROUP)  # -inf for an empty split
 
     @triton.jit
     def _merge(o, lse, out, HEAD_DIM: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):
@@ -149,41 +152,9 @@ if triton is not None:
         y = tl.sum(parts * w[:, None], axis=0) / tl.sum(w, axis=0)
         tl.store(out + i * HEAD_DIM + d, y.to(out.dtype.element_ty), mask=d < HEAD_DIM)
 
-    @triton.jit
-    def _sample(x, values, ids, seed, token, N, temperature, top_p, K: tl.constexpr, KP: tl.constexpr,
-                BLOCK: tl.constexpr, DRAW: tl.constexpr):
-        # Program (row, chunk of BLOCK of the row's N scores x): the chunk's K largest of x / T, largest first, by K
-        # rounds of take-the-max-and-remove-it (K is small, and a sort is slower). Over the logits, it writes each
-        # chunk's best to values and ids; then (DRAW) over values, in one chunk, it keeps a candidate while the
-        # mass before it is < top_p and draws by Gumbel-max: argmax(v + g), g = -log(-log(u)), is an exact draw
-        # from softmax(v) over the ones kept.
-        r = tl.program_id(0)
-        c = tl.program_id(1)
-        j = tl.arange(0, BLOCK)
-        n = tl.arange(0, KP)
-        v = tl.load(x + r * N + c * BLOCK + j, mask=c * BLOCK + j < N, other=float("-inf")).to(tl.float32)
-        v = v / temperature
-        best = tl.full([KP], float("-inf"), tl.float32)
-        at = tl.zeros([KP], tl.int32)
-        for q in tl.static_range(K):
-            m, i = tl.max(v, axis=0, return_indices=True)
-            best = tl.where(n == q, m, best)
-            at = tl.where(n == q, i, at)
-            v = tl.where(j == i, float("-inf"), v)
-        if DRAW:
-            p = tl.exp(best - tl.max(best, axis=0))
-            kept = (tl.cumsum(p, axis=0) - p < top_p * tl.sum(p, axis=0)) & (n < K)
-            g = -tl.log(-tl.log(tl.rand(tl.load(seed), r * KP + n)))
-            choice = tl.argmax(tl.where(kept, best + g, float("-inf")), axis=0)
-            tl.store(token + r, tl.load(ids + r * N + tl.sum(tl.where(n == choice, at, 0), axis=0)))
-        else:
-            out = (r * tl.num_programs(1) + c) * K + n
-            tl.store(values + out, best, mask=n < K)
-            tl.store(ids + out, c * BLOCK + at, mask=n < K)
 
-
-# Launch configurations of _gemv by what it fuses into the input and how the weights are stored, from sweeps on
-# the H200 over the 0.6B-8B shapes: more rows per program where the work on x is costlier, or the weights int8.
+# Launch configurations of _gemv by what it fuses into its input and how the weights are stored, from sweeps
+# on the H200 over the 0.6B-8B shapes: more rows per program where the work on x is costlier, or for int8.
 GEMV_CONFIGS = {  # BN: weight rows per program, BK: weight words per block
     ("norm", "float"): dict(BN=8, BK=512, num_warps=2),
     ("gated", "float"): dict(BN=4, BK=1024, num_warps=8),
@@ -194,13 +165,14 @@ GEMV_CONFIGS = {  # BN: weight rows per program, BK: weight words per block
 }
 
 
-# Custom ops: torch.compile calls them as they are, instead of analysing the kernels at each of their call sites
-# (five a layer), which would be most of its compile time.
+# Custom ops: torch.compile calls them as they are, instead of analysing the kernels at each of their call
+# sites (five a layer), which would be most of its compile time.
 @torch.library.custom_op("qwen3_fast::gemv", mutates_args=())
 def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | None = None, eps: float = 0.0,
          gated: bool = False, residual: Tensor | None = None) -> Tensor:
-    """residual + (weight @ a) * scale for one token x, where a is RMSNorm(x) * norm with `norm`, silu(gate) * up of
-    x = [gate, up] with `gated`, else x. weight (N, K) in x's dtype, or int8 (K a multiple of 4) with a row `scale`."""
+    """residual + (weight @ a) * scale for one token x, where a is RMSNorm(x) * norm with `norm`, silu(gate) *
+    up of x = [gate, up] with `gated`, else x. weight (N, K) in x's dtype, or int8 (K a multiple of 4) with a
+    `scale` per row."""
     N, K = weight.shape
     out = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
     int8 = weight.dtype == torch.int8
@@ -224,13 +196,14 @@ gemv.register_fake(lambda x, weight, *args, **kwargs: x.new_empty(*x.shape[:-1],
 
 
 @torch.library.custom_op("qwen3_fast::decode_attention", mutates_args=("cache_k", "cache_v"))
-def decode_attention(qkv: Tensor, cache_k: Tensor, cache_v: Tensor, first_row: int, positions: Tensor, cos: Tensor,
-                     sin: Tensor, q_norm: Tensor, k_norm: Tensor, eps: float, heads: int) -> Tensor:
+def decode_attention(qkv: Tensor, cache_k: Tensor, cache_v: Tensor, first_row: int, positions: Tensor,
+                     cos: Tensor, sin: Tensor, q_norm: Tensor, k_norm: Tensor, eps: float,
+                     heads: int) -> Tensor:
     """One query per row: qkv (R, 1, (heads + 2 kv_heads) * head_dim), the fused projection, at positions (R,)
-    of cache rows first_row ... first_row + R - 1 of cache_k/cache_v (slots, kv_heads, capacity, head_dim), which
-    get the new key and value there; cos/sin (R, ..., head_dim) at the positions; q_norm/k_norm the RMSNorm
-    weights. Attends to keys at positions <= the query's, split over the keys so that one row still fills the
-    GPU; returns (R, heads, head_dim)."""
+    of cache rows first_row ... first_row + R - 1 of cache_k/cache_v (slots, kv_heads, capacity, head_dim),
+    which get the new key and value there; cos/sin (R, ..., head_dim) at the positions; q_norm/k_norm the
+    RMSNorm weights. Attends to keys at positions <= the query's, split over the keys so that one row still
+    fills the GPU; returns (R, heads, head_dim)."""
     R = qkv.shape[0]
     kv_heads = cache_k.shape[1]
     head_dim = cache_k.shape[3]
@@ -242,33 +215,12 @@ def decode_attention(qkv: Tensor, cache_k: Tensor, cache_v: Tensor, first_row: i
     k_row, k_head, k_pos, _ = cache_k.stride()
     _attention[(R, kv_heads, splits)](
         qkv, cache_k, cache_v, first_row, positions, cos, sin, q_norm, k_norm, o, lse, qkv.stride(0),
-        cos.stride(0), k_row, k_head, k_pos, eps=eps, sm_scale=head_dim ** -0.5, GROUP=group, HEAD_DIM=head_dim,
-        G=max(16, triton.next_power_of_2(group)), D=D, BLOCK=32, SPLITS=splits)
+        cos.stride(0), k_row, k_head, k_pos, eps=eps, sm_scale=head_dim ** -0.5, GROUP=group,
+        HEAD_DIM=head_dim, G=max(16, triton.next_power_of_2(group)), D=D, BLOCK=32, SPLITS=splits)
     out = torch.empty(R, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     _merge[(R * heads,)](o, lse, out, HEAD_DIM=head_dim, D=D, SPLITS=splits)
     return out
 
 
-decode_attention.register_fake(lambda qkv, cache_k, *args: qkv.new_empty(qkv.shape[0], args[-1], cache_k.shape[-1]))
-
-
-@torch.library.custom_op("qwen3_fast::sample", mutates_args=())
-def sample(logits: Tensor, seed: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
-    """Token ids (R,) drawn from softmax(logits / temperature) (R, V) cut to the top_k (<= 64) largest, then to
-    top_p, with Gumbel noise from `seed` (a 1-element int tensor). One kernel twice: the best top_k of each chunk
-    of 1,024 logits, then the draw from those."""
-    R, V = logits.shape
-    KP = triton.next_power_of_2(top_k)
-    chunks = triton.cdiv(V, 1024)
-    N = chunks * top_k  # candidates per row
-    values = logits.new_empty(R, N, dtype=torch.float32)
-    ids = logits.new_empty(R, N, dtype=torch.long)
-    token = ids.new_empty(R)
-    _sample[(R, chunks)](logits.contiguous(), values, ids, seed, token, V, temperature, top_p, K=top_k, KP=KP,
-                         BLOCK=1024, DRAW=False)
-    _sample[(R, 1)](values, values, ids, seed, token, N, 1.0, top_p, K=top_k, KP=KP,
-                    BLOCK=triton.next_power_of_2(N), DRAW=True, num_warps=8)
-    return token
-
-
-sample.register_fake(lambda logits, *args: logits.new_empty(len(logits), dtype=torch.long))
+decode_attention.register_fake(
+    lambda qkv, cache_k, *args: qkv.new_empty(qkv.shape[0], args[-1], cache_k.shape[-1]))

@@ -1,4 +1,4 @@
-"""Qwen3 (dense) for fast decoding: fused projections, a static KV cache, and one forward for prefill and decode."""
+"""Qwen3 (dense) for fast decoding: fused projections, a static KV cache, one forward for prefill and decode."""
 import json
 import pathlib
 from dataclasses import dataclass, fields
@@ -70,8 +70,8 @@ class RMSNorm(nn.Module):
 
 
 class Int8Linear(nn.Module):
-    """y = (x @ int8 weight^T) * per-output-channel scale. The cast sits inside the matmul's expression so that
-    inductor fuses it into the matmul's loads and never writes a full-precision copy of the weight."""
+    """y = (x @ int8 weight^T) * per-output-channel scale. The cast sits inside the matmul's expression so
+    that inductor fuses it into the matmul's loads and never writes a full-precision copy of the weight."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
@@ -97,8 +97,8 @@ def linear(args: ModelArgs, n_in: int, n_out: int) -> nn.Module:
 
 def project(proj: nn.Module, x: Tensor, *, fused: bool, norm: RMSNorm | None = None, gated: bool = False,
             residual: Tensor | None = None) -> Tensor:
-    """residual + proj(a), where a is norm(x) with `norm`, silu(gate) * up of x = [gate, up] with `gated`, else x.
-    fused: one Triton kernel (one token on CUDA); otherwise PyTorch's ops, which are the kernel's reference."""
+    """residual + proj(a), where a is norm(x) with `norm`, silu(gate) * up of x = [gate, up] with `gated`, else
+    x. fused: one Triton kernel (one token on CUDA); otherwise PyTorch's ops, the kernel's reference."""
     if fused:
         norm_weight = None if norm is None else norm.weight
         eps = 0.0 if norm is None else norm.eps
@@ -115,9 +115,10 @@ def project(proj: nn.Module, x: Tensor, *, fused: bool, norm: RMSNorm | None = N
 
 
 class StaticKVCache(nn.Module):
-    """Keys and values of one layer at absolute positions, one row per request slot: (slots, kv_heads, capacity,
-    head_dim), zero-filled. A slot not yet written, or left over from a longer earlier request, sits at a position
-    greater than every live query of its row, so the causal rule key_pos <= query_pos hides it: nothing to clear."""
+    """Keys and values of one layer at absolute positions, one row per request slot: (slots, kv_heads,
+    capacity, head_dim), zero-filled. A slot not yet written, or left over from a longer earlier request, sits at
+    a position greater than every live query of its row, so the causal rule key_pos <= query_pos hides it:
+    nothing to clear."""
 
     def __init__(self, slots: int, kv_heads: int, capacity: int, head_dim: int, dtype, device):
         super().__init__()
@@ -125,7 +126,7 @@ class StaticKVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, rows: slice, positions: Tensor, k: Tensor, v: Tensor, kv_len: int) -> tuple[Tensor, Tensor]:
+    def update(self, rows: slice, positions: Tensor, k: Tensor, v: Tensor, kv_len: int):
         """Writes k, v (R, T, kv_heads, head_dim) at (row, position) pairs; returns the keys and values of the
         first kv_len positions of those rows."""
         r = torch.arange(positions.shape[0], device=positions.device)[:, None]
@@ -168,16 +169,16 @@ class Attention(nn.Module):
         qkv = project(self.qkv_proj, x, norm=norm, fused=ctx.fused)
         cache = self.kv_cache
         if ctx.fused:  # the q/k norms, RoPE, the cache write and attention in one kernel
-            y = kernels.decode_attention(qkv, cache.k, cache.v, ctx.rows.start or 0, ctx.positions[:, 0], ctx.cos,
-                                         ctx.sin, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                                         self.n_heads)
+            y = kernels.decode_attention(qkv, cache.k, cache.v, ctx.rows.start or 0, ctx.positions[:, 0],
+                                         ctx.cos, ctx.sin, self.q_norm.weight, self.k_norm.weight,
+                                         self.q_norm.eps, self.n_heads)
         else:
             q, k, v = qkv.view(R, T, -1, self.head_dim).split([self.n_heads, self.n_kv, self.n_kv], dim=2)
             q = apply_rope(self.q_norm(q), ctx.cos, ctx.sin)
             k = apply_rope(self.k_norm(k), ctx.cos, ctx.sin)
             keys, values = cache.update(ctx.rows, ctx.positions, k, v, ctx.mask.shape[-1])
-            y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=ctx.mask, enable_gqa=True)
-            y = y.transpose(1, 2)
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=ctx.mask,
+                                               enable_gqa=True).transpose(1, 2)
         return project(self.o_proj, y.reshape(R, T, -1), residual=residual, fused=ctx.fused)
 
 
@@ -226,15 +227,15 @@ class Transformer(nn.Module):
         """Allocates a StaticKVCache per layer and the RoPE table for positions [0, capacity)."""
         a = self.args
         if capacity > a.max_position_embeddings:
-            raise UserError(f"cache length {capacity} is over the model's {a.max_position_embeddings} positions: "
-                            "shorten the prompt or lower --max-new-tokens / --cache-len")
+            raise UserError(f"cache length {capacity} is over the model's {a.max_position_embeddings} "
+                            "positions: shorten the prompt or lower --max-new-tokens / --cache-len")
         device = self.norm.weight.device
         dtype = self.norm.weight.dtype
         # One spare position, never attended: every attended prefix is then a strict slice of the buffer, so a
         # compiled step's contiguity guards don't fail (and recompile) when the prefix reaches the capacity.
         for layer in self.layers:
-            layer.self_attn.kv_cache = StaticKVCache(slots, a.num_key_value_heads, capacity + 1, a.head_dim, dtype,
-                                                     device)
+            layer.self_attn.kv_cache = StaticKVCache(slots, a.num_key_value_heads, capacity + 1, a.head_dim,
+                                                     dtype, device)
         # Angles in fp32 on the CPU as transformers computes them (an elementwise product, not a matmul); the
         # table is kept in the model's dtype because transformers casts it so before rotating.
         inv_freq = 1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.float) / a.head_dim))
@@ -245,9 +246,9 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: Tensor, positions: Tensor, kv_positions: Tensor, rows: slice = slice(None),
                 last_only: bool = False, use_kernels: bool = False) -> Tensor:
-        """tokens, positions: (R, T) for cache rows `rows`; kv_positions: the cache prefix to attend over (a slice
-        of key_positions covering every position written so far). use_kernels: the Triton kernels run where they
-        apply, for a single token. Returns logits (R, T, vocab), or (R, 1, vocab) with last_only."""
+        """tokens, positions: (R, T) for cache rows `rows`; kv_positions: the cache prefix to attend over (a
+        slice of key_positions covering every position written so far). use_kernels: the Triton kernels run
+        where they apply, for a single token. Returns logits (R, T, vocab), or (R, 1, vocab) with last_only."""
         fused = use_kernels and tokens.numel() == 1
         mask = None
         if not fused:  # causal, which also hides unwritten and stale slots
@@ -291,27 +292,19 @@ class Transformer(nn.Module):
             except Exception as e:  # safetensors' own error type: a truncated or corrupt file
                 raise UserError(f"{file}: cannot be read ({e}); convert the checkpoint again") from None
         state = {name: t if t.dtype == torch.int8 else t.to(dtype) for name, t in state.items()}
-        return cls.from_state_dict(args, state, source=path)
-
-    @classmethod
-    def from_state_dict(cls, args: ModelArgs, state: dict, source: str = "the weights") -> "Transformer":
-        """Builds the model around the tensors of `state` without copying them (meta device, then assign)."""
         with torch.device("meta"):
             model = cls(args)
-        expected = model.state_dict()
+        expected = {name: t.shape for name, t in model.state_dict().items()}
         if args.tie_word_embeddings:
             del expected["lm_head.weight"]  # the embedding serves as lm_head
-        missing = sorted(expected.keys() - state.keys())
-        unexpected = sorted(state.keys() - expected.keys())
-        wrong = [name for name in expected.keys() & state.keys() if expected[name].shape != state[name].shape]
-        if missing or unexpected or wrong:
-            problem = f"{len(missing)} tensors missing, {len(unexpected)} unexpected, {len(wrong)} of another shape"
-            example = (missing + unexpected + wrong)[0]
-            raise UserError(f"{source}: weights do not match config.json ({problem}, e.g. {example}); "
-                            "convert the checkpoint again")
+        found = {name: t.shape for name, t in state.items()}
+        mismatched = sorted(n for n in expected.keys() | found.keys() if expected.get(n) != found.get(n))
+        if mismatched:
+            raise UserError(f"{path}: weights do not match config.json ({len(mismatched)} tensors missing, "
+                            f"unexpected or of another shape, first {mismatched[0]}); convert the checkpoint again")
         if args.tie_word_embeddings:
             state["lm_head.weight"] = state["embed_tokens.weight"]
-        model.load_state_dict(state, strict=True, assign=True)
+        model.load_state_dict(state, strict=True, assign=True)  # the loaded tensors themselves: no copy
         if args.tie_word_embeddings:  # assign made two Parameters of one tensor: make them one again
             model.lm_head.weight = model.embed_tokens.weight
         return model.eval()

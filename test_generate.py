@@ -386,9 +386,8 @@ def test_convert_bad_inputs_one_line_and_nothing_written(snapshot, tmp_path, cap
     for p in snapshot.iterdir():
         if p.suffix == ".safetensors":
             p.unlink()
-    assert "no *.safetensors" in convert_error(argv, capsys)
     (snapshot / "pytorch_model.bin").write_bytes(b"pickle")
-    assert "safetensors only" in convert_error(argv, capsys)
+    assert "no *.safetensors weights found (safetensors only" in convert_error(argv, capsys)
     (snapshot / "config.json").write_text("{not json")
     assert "not a readable JSON file" in convert_error(argv, capsys)
 
@@ -474,7 +473,7 @@ def test_convert_repo_downloads_first(tmp_path):
 def test_int8_quality_against_fp32(tmp_path, tied):
     hf, path = converted(tmp_path, tokenizer=False, hidden=128, heads=8, kv_heads=2, head_dim=32, layers=4,
                          vocab=2048, tied=tied)
-    convert.convert(path, str(tmp_path / "int8"), int8=True)  # quantizes our converted weights
+    convert.convert(str(tmp_path / "hf"), str(tmp_path / "int8"), int8=True)
     q8 = load(str(tmp_path / "int8"))
     assert q8.layers[0].self_attn.qkv_proj.weight.dtype == torch.int8
     assert q8.embed_tokens.weight.dtype == torch.float32
@@ -501,7 +500,7 @@ def test_int8_quality_against_fp32(tmp_path, tied):
 def test_int8_checkpoint_with_a_bf16_lm_head_is_refused_in_one_line(tmp_path):
     # untied int8 checkpoints written before lm_head was quantized too: lm_head.weight in float, no lm_head.scale
     hf, path = converted(tmp_path, tokenizer=False)
-    convert.convert(path, str(tmp_path / "int8"), int8=True)
+    convert.convert(str(tmp_path / "hf"), str(tmp_path / "int8"), int8=True)
     shard = next(f for f in sorted((tmp_path / "int8").glob("*.safetensors")) if "lm_head.scale" in load_file(f))
     state = load_file(shard)
     q, scale = state["lm_head.weight"], state.pop("lm_head.scale")
@@ -520,8 +519,8 @@ def test_int8_quantize_roundtrip():
 
 def test_int8_bad_inputs(tmp_path, capsys):
     hf, path = converted(tmp_path, tokenizer=False)
-    convert.convert(path, str(tmp_path / "int8"), int8=True)
-    assert "already quantized" in convert_error(["--checkpoint-dir", str(tmp_path / "int8"), "--int8"], capsys)
+    convert.convert(str(tmp_path / "hf"), str(tmp_path / "int8"), int8=True)
+    assert "already converted" in convert_error(["--checkpoint-dir", str(tmp_path / "int8"), "--int8"], capsys)
     assert "already converted" in convert_error(["--checkpoint-dir", path], capsys)
     cfg = json.load(open(tmp_path / "int8" / "config.json"))
     json.dump({**cfg, "quantization": None}, open(tmp_path / "int8" / "config.json", "w"))
@@ -562,7 +561,7 @@ def chi_square_pvalue(counts, probs, n):
 SAMPLING_CASES = [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 5, 1.0), (1.0, 0, 0.8), (0.8, 6, 0.9)]
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])  # cuda: kernels.sample
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
 @pytest.mark.parametrize("temperature,top_k,top_p", SAMPLING_CASES)
 def test_sample_matches_exact_distribution(temperature, top_k, top_p, device):
     torch.manual_seed(5)
@@ -570,7 +569,7 @@ def test_sample_matches_exact_distribution(temperature, top_k, top_p, device):
     n = 20_000
     params = G.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     batch = logits.expand(n, 12).contiguous().to(device)
-    draws = G.sample(batch, params, use_kernels=device == "cuda").cpu()
+    draws = G.sample(batch, params).cpu()
     counts = torch.bincount(draws, minlength=12).double()
     probs = exact_filtered(logits, temperature, top_k, top_p)
     assert counts[probs == 0].sum() == 0, "a filtered token was drawn"
@@ -702,7 +701,7 @@ def test_cuda_no_host_sync_inside_decode_steps(tiny, mode):
 @needs_cuda
 def test_cuda_int8_modes_identical_greedy(tmp_path):
     hf, path = converted(tmp_path, tokenizer=False)
-    convert.convert(path, str(tmp_path / "int8"), int8=True)
+    convert.convert(str(tmp_path / "hf"), str(tmp_path / "int8"), int8=True)
     q8 = str(tmp_path / "int8")
     # fp32: in bf16 the fused dequantising reduction rounds once where eager rounds after the matmul and again
     # after the scale, which flips near-tied greedy choices of a random model.
@@ -1001,23 +1000,6 @@ def test_kernel_decode_attention_matches_reference_ops(device, dtype, tol, R, H,
     torch.library.opcheck(torch.ops.qwen3_fast.decode_attention, args)
 
 
-@pytest.mark.parametrize("device,dtype,tol", KERNEL_RUNS[:2])  # the sampler reads fp32 logits
-def test_kernel_sampler_argmax_and_exact_distribution(device, dtype, tol):
-    """top_k 1, or a top_p that the first candidate already reaches, is the argmax across vocab chunks; draws follow
-    the exact filtered distribution (20,000 per case on CUDA, 1,000 in the slow interpreter)."""
-    torch.manual_seed(0)
-    logits, seed = torch.randn(3, 2500, device=device) * 3, torch.tensor([1234], device=device)
-    for k, top_p in [(1, 1.0), (5, 1e-6)]:
-        assert torch.equal(kernels.sample(logits, seed, 0.7, k, top_p), logits.argmax(-1)), (k, top_p)
-    small, n = torch.randn(12) * 1.5, 1_000 if INTERPRETED else 20_000
-    cases = [(0.8, 6, 0.9)] if INTERPRETED else [(0.8, 6, 0.9), (1.0, 5, 1.0), (0.6, 20, 0.95)]
-    for T, k, top_p in cases:
-        draws = kernels.sample(small.expand(n, 12).contiguous().to(device), seed, T, k, top_p).cpu()
-        counts, probs = torch.bincount(draws, minlength=12).double(), exact_filtered(small, T, k, top_p)
-        assert counts[probs == 0].sum() == 0 and chi_square_pvalue(counts, probs, n) > 1e-3, (T, k, top_p)
-    torch.library.opcheck(torch.ops.qwen3_fast.sample, (logits, seed, 0.7, 5, 0.9))
-
-
 @pytest.mark.parametrize("device,dtype,tol", KERNEL_RUNS[:2])
 def test_model_with_kernels_matches_reference_ops(tiny, device, dtype, tol):
     """model.py's glue around the kernels (cache views, strides, positions): a batch-1 greedy decode with the
@@ -1050,4 +1032,4 @@ def test_kernels_in_triton_interpreter():
                        env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=HERE)
     assert r.returncode == 0, r.stdout[-3000:]
     summary = r.stdout.strip().splitlines()[-1]
-    assert summary.startswith("7 passed") and "skipped" not in summary, summary
+    assert summary.startswith("6 passed") and "skipped" not in summary, summary
