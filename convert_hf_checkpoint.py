@@ -5,15 +5,14 @@
     python convert_hf_checkpoint.py --checkpoint-dir checkpoints/Qwen/Qwen3-8B --int8   # .../converted-int8
 
 Tensors are read one at a time and written in shards, so memory stays near one shard whatever the model's
-size. The output is written beside its destination and renamed into place when complete; it replaces only an
-earlier output of this script.
+size. The output is written beside its destination and renamed into place when complete; nothing that
+exists is replaced.
 """
 import argparse
 import dataclasses
 import json
 import os
 import pathlib
-import re
 import shutil
 import sys
 from collections import Counter
@@ -29,7 +28,6 @@ FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_p
 N_PARTS = Counter(fused for fused, _ in FUSED.values())
 COPIED = ["tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
           "generation_config.json"]
-SHARD_NAME = re.compile(r"model-\d{5}\.safetensors")
 
 
 def map_name(hf_name: str) -> tuple[str, int]:
@@ -65,26 +63,6 @@ def list_tensors(src: pathlib.Path) -> dict[str, str]:
     return tensors
 
 
-def check_output(src: pathlib.Path, out: pathlib.Path) -> None:
-    """Refuses, before any work, an output that is the source or replaces what this script did not write."""
-    if out.resolve() == src.resolve():
-        raise UserError(f"--output {out} is the source snapshot: choose another directory")
-    if not out.exists():
-        return
-    if not out.is_dir():
-        raise UserError(f"--output {out} is a file: choose a directory")
-    names = [p.name for p in out.iterdir()]
-    if not names:
-        return
-    ours = all(name in COPIED or name == "config.json" or SHARD_NAME.fullmatch(name) for name in names)
-    try:  # every config.json this script writes says "quantization", and no Hugging Face one does
-        ours = ours and "quantization" in json.loads((out / "config.json").read_text())
-    except (OSError, ValueError):
-        ours = False
-    if not ours:
-        raise UserError(f"--output {out} holds files this script did not write: choose a new or empty one")
-
-
 def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) -> None:
     src = pathlib.Path(src)
     out = pathlib.Path(out)
@@ -98,7 +76,8 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
     args = ModelArgs.from_config(cfg)
     if int8:
         args.quantization = "int8"
-    check_output(src, out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # the source, ".", an old conversion...
+        raise UserError(f"--output {out} exists: choose a new or empty directory (nothing is replaced)")
     with torch.device("meta"):
         expected = Transformer(args).state_dict()
     if args.tie_word_embeddings:
@@ -148,12 +127,7 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
         for name in COPIED:
             if (src / name).is_file():
                 shutil.copy(src / name, tmp)
-        # Swap in the new directory only now that it is complete; what it replaces passed check_output.
-        old = out.with_name(f".replaced-{out.name}-{os.getpid()}")
-        if out.exists():
-            out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
+        tmp.rename(out)  # only now that it is complete (an empty directory there is replaced)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -153,15 +153,6 @@ class Generator:
             step = torch.compile(step, mode=mode, fullgraph=True)
         self.step = CUDAGraphStep(step, self.state) if cuda_graph else step
 
-    def prefill(self, tokens: list[int], row: int, start: int) -> torch.Tensor:
-        """Runs one prompt through cache row `row` from position `start`; returns its first new token (1,)."""
-        device = self.state.tokens.device
-        end = start + len(tokens)
-        positions = torch.arange(start, end, device=device)[None]
-        logits = self.model(torch.tensor([tokens], device=device), positions, self.model.key_positions[:end],
-                            rows=slice(row, row + 1), last_only=True, use_kernels=self.use_kernels)
-        return sample(logits[:, -1], self.sampling)
-
     def decode_step(self, needed: int) -> None:
         """One step for every row; the rows' positions so far fit in the first `needed` of the cache."""
         kv_positions = self.model.key_positions[:attended_length(needed, self.capacity)]
@@ -183,15 +174,19 @@ class Generator:
                             f"length {self.capacity}: raise --cache-len or lower --max-new-tokens")
         sync = torch.cuda.synchronize if state.tokens.is_cuda else (lambda: None)
         t0 = time.perf_counter()
-        for row, (tokens, start) in enumerate(zip(prompts, starts)):
-            state.tokens[row] = self.prefill(tokens, row, start)
+        for row, (tokens, start) in enumerate(zip(prompts, starts)):  # prefill, a row at a time
+            positions = torch.arange(start, ends[row], device=state.tokens.device)[None]
+            logits = self.model(torch.tensor([tokens], device=positions.device), positions,
+                                self.model.key_positions[:ends[row]], rows=slice(row, row + 1), last_only=True,
+                                use_kernels=self.use_kernels)
+            state.tokens[row] = sample(logits[:, -1], self.sampling)
         state.positions.copy_(torch.tensor(ends)[:, None])
         state.out[:, 0] = state.tokens[:, 0]
         state.step.fill_(1)
         sync()
         t1 = time.perf_counter()
         produced = 1  # tokens per row in state.out
-        if max_new > 1:  # this step feeds each row's token produced - 1, at position ends[b] + produced - 1
+        if max_new > 1:  # the first decode step, timed alone: compilation and graph capture happen here
             self.decode_step(max(ends) + produced)
             produced += 1
         sync()
@@ -354,12 +349,11 @@ def run(a: argparse.Namespace) -> None:
         torch.manual_seed(a.seed)
     if a.compile and a.device.type == "cpu":  # a CUDA build of torch warns that it finds no GPU: we know
         logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
-    dtype = getattr(torch, a.dtype or ("bfloat16" if a.device.type == "cuda" else "float32"))
     texts = [] if a.interactive else read_prompts(a)
     if a.checkpoint == DEFAULT_CHECKPOINT and not pathlib.Path(a.checkpoint).exists():
-        print(f"no {DEFAULT_CHECKPOINT} yet: downloading {DEFAULT_REPO} and converting it", file=sys.stderr)
         convert(download(DEFAULT_REPO), DEFAULT_CHECKPOINT)
     print(f"loading {a.checkpoint} ...", file=sys.stderr, flush=True)
+    dtype = getattr(torch, a.dtype or ("bfloat16" if a.device.type == "cuda" else "float32"))
     model = Transformer.from_checkpoint(a.checkpoint, a.device, dtype)
     generation_config = {}
     if pathlib.Path(a.checkpoint, "generation_config.json").is_file():
@@ -373,10 +367,10 @@ def run(a: argparse.Namespace) -> None:
         capacity = min(8192, model.args.max_position_embeddings)
     if capacity is None:  # too long for the model's positions: setup_cache says so
         capacity = max(map(len, prompts)) + a.max_new_tokens
-    sampling = resolve_sampling(a, generation_config)
-    use_kernels = kernels.AVAILABLE and a.device.type == "cuda"
-    gen = Generator(model, batch=max(1, len(prompts)), capacity=capacity, sampling=sampling,
-                    use_kernels=use_kernels, compile=a.compile, cuda_graph=a.cuda_graph)
+    gen = Generator(model, batch=max(1, len(prompts)), capacity=capacity,
+                    sampling=resolve_sampling(a, generation_config),
+                    use_kernels=kernels.AVAILABLE and a.device.type == "cuda", compile=a.compile,
+                    cuda_graph=a.cuda_graph)
     if a.interactive:
         return chat(gen, a, encode, decode, stop_ids)
     stream = TextStream(decode, texts)
@@ -389,23 +383,20 @@ def run(a: argparse.Namespace) -> None:
 
 
 def report(stats: GenerationStats, model: Transformer, rows: list[list[int]], a: argparse.Namespace) -> str:
-    """Time to first token, decode speed and memory; the first decode step (compilation, capture) apart."""
+    """Time to first token, decode speed and peak memory; the first decode step (compilation, capture) apart."""
     rate = stats.decode_steps / stats.decode_s if stats.decode_steps else 0.0
     if a.device.type == "cuda":
         peak = torch.cuda.max_memory_allocated()
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports kB
-    numbers = {"new_tokens": sum(map(len, rows)), "rows": len(rows), "ttft_s": stats.prefill_s,
-               "first_step_s": stats.first_step_s, "decode_tok_s": rate, "aggregate_tok_s": rate * len(rows),
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux counts kB
+    numbers = {**asdict(stats), "new_tokens": sum(map(len, rows)), "rows": len(rows), "decode_tok_s": rate,
                "weights_GB_s": rate * model.weight_bytes() / 1e9, "peak_memory_GB": peak / 1e9}
     if a.json:
-        return json.dumps({k: round(v, 4) for k, v in numbers.items()})
-    text = (f"{numbers['new_tokens']} new tokens: time to first token {stats.prefill_s:.3f} s, decode "
-            f"{rate:.1f} tok/s per row ({numbers['weights_GB_s']:.0f} GB/s of weights), peak memory "
+        return json.dumps(numbers)
+    return (f"{numbers['new_tokens']} new tokens. Time to first token {stats.prefill_s:.3f} s; the first "
+            f"decode step {stats.first_step_s:.2f} s (compilation and graph capture happen there); then "
+            f"{rate:.1f} tok/s per row, {numbers['weights_GB_s']:.0f} GB/s of weights. Peak memory "
             f"{numbers['peak_memory_GB']:.2f} GB.")
-    if a.compile or a.cuda_graph:
-        text += f" The first decode step took {stats.first_step_s:.1f} s: compilation and graph capture."
-    return text
 
 
 def chat(gen: Generator, a: argparse.Namespace, encode, decode, stop_ids: set) -> None:
