@@ -134,8 +134,7 @@ class GenerationStats:
 
 class Generator:
     """Prefill and the decode loop for up to `batch` prompts at once, in a cache of `capacity` positions.
-    use_kernels: the Triton kernels run wherever they apply (one token of one row); the caller decides, from
-    the device and whether Triton is installed."""
+    use_kernels: the Triton kernels run wherever they apply (one token of one row) - the caller's decision."""
 
     def __init__(self, model: Transformer, *, batch: int, capacity: int, sampling: SamplingParams,
                  use_kernels: bool, compile: bool = False, cuda_graph: bool = False):
@@ -162,10 +161,9 @@ class Generator:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], *, max_new: int, stop_ids: set, check_every: int = 16,
                  starts: list[int] | None = None, on_tokens=None) -> tuple[list[list[int]], GenerationStats]:
-        """Each prompt in its own cache row at its own length (row b continues from position starts[b]);
-        decodes until every row has produced a stop token or max_new tokens. Returns each row's new tokens, cut
-        before its first stop token, and timings. on_tokens(rows) is called at each check with the tokens so
-        far."""
+        """Each prompt in its own cache row at its own length (row b continues from position starts[b]) until
+        every row has produced a stop token or max_new tokens. Returns each row's new tokens, cut before its
+        first stop token, and timings. on_tokens(rows) gets the tokens so far at each check."""
         state = self.state
         starts = starts or [0] * len(prompts)
         ends = [start + len(prompt) for start, prompt in zip(starts, prompts)]

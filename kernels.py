@@ -26,9 +26,8 @@ if triton is not None:
         # float bits 0x4B000000 | byte ^ 0x80 are 2^23 + 128 + its value): a conversion instruction per byte
         # would be the limit.
         n = tl.program_id(0) * BN + tl.arange(0, BN)
-        KW = K // PACK
-        acc = tl.zeros([BN, BK], tl.float32)
-        squares = tl.zeros([BK], tl.float32)
+        KW = K // PACK  # weight words per row
+        acc, squares = tl.zeros([BN, BK], tl.float32), tl.zeros([BK], tl.float32)
         for k0 in range(0, KW, BK):
             words = k0 + tl.arange(0, BK)
             wmask = (n[:, None] < N) & (words[None, :] < KW)
@@ -80,11 +79,8 @@ if triton is not None:
         # (positions <= the query's: the cost follows the live length, not the cache's) and writes the
         # softmax-normalised partial output and its log-sum-exp for the merge. The new key and value are used
         # from registers, and split 0 writes them to the cache: no program reads position p from memory.
-        r = tl.program_id(0)
-        h = tl.program_id(1)
-        s = tl.program_id(2)
-        g = tl.arange(0, G)
-        d = tl.arange(0, D)
+        r, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        g, d = tl.arange(0, G), tl.arange(0, D)
         dmask = d < HEAD_DIM
         p = tl.load(pos + r)
         KV_HEADS = tl.num_programs(1)
@@ -116,8 +112,7 @@ if triton is not None:
             j = start + tl.arange(0, BLOCK)
             kvmask = (j[:, None] < end) & dmask[None, :]
             offsets = cache + j[:, None] * k_pos + d[None, :]
-            kt = tl.load(k + offsets, mask=kvmask, other=0.0)
-            vt = tl.load(v + offsets, mask=kvmask, other=0.0)
+            kt, vt = tl.load(k + offsets, mask=kvmask, other=0.0), tl.load(v + offsets, mask=kvmask, other=0.0)
             scores = tl.dot(qt, tl.trans(kt), input_precision="ieee") * sm_scale
             scores = tl.where(j[None, :] < end, scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
@@ -143,9 +138,7 @@ if triton is not None:
     @triton.jit
     def _merge(o, lse, out, HEAD_DIM: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):
         # One (row, head): the splits' outputs weighted by exp(lse) over their sum, which is exact.
-        i = tl.program_id(0)
-        s = tl.arange(0, SPLITS)
-        d = tl.arange(0, D)
+        i, s, d = tl.program_id(0), tl.arange(0, SPLITS), tl.arange(0, D)
         w = tl.load(lse + i * SPLITS + s)
         w = tl.exp(w - tl.max(w, axis=0))
         parts = tl.load(o + (i * SPLITS + s[:, None]) * HEAD_DIM + d[None, :], mask=d[None, :] < HEAD_DIM)
@@ -205,9 +198,8 @@ def decode_attention(qkv: Tensor, cache_k: Tensor, cache_v: Tensor, first_row: i
     RMSNorm weights. Attends to keys at positions <= the query's, split over the keys so that one row still
     fills the GPU; returns (R, heads, head_dim)."""
     R = qkv.shape[0]
-    kv_heads = cache_k.shape[1]
-    head_dim = cache_k.shape[3]
-    splits = 32
+    kv_heads, head_dim = cache_k.shape[1], cache_k.shape[3]
+    splits = 32  # programs per (row, kv head): enough to fill the GPU for one row
     o = torch.empty(R, heads, splits, head_dim, dtype=torch.float32, device=qkv.device)
     lse = torch.empty(R, heads, splits, dtype=torch.float32, device=qkv.device)
     group = heads // kv_heads
