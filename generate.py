@@ -1,4 +1,4 @@
-"""Generates text with Qwen3, fast: a decode step that never syncs with the host, compiled and/or CUDA-graphed.
+"""Generates text with Qwen3, fast: a decode step that never syncs with the host, compiled and/or graphed.
 
 Prefill runs each prompt in its own cache row; decode steps run on the device alone, and the host looks for
 stop tokens every --check-every steps with one sync.
@@ -47,7 +47,7 @@ def resolve_sampling(a: argparse.Namespace, generation_config: dict) -> Sampling
 def sample(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Next ids (R,) from logits (R, V) without a host sync. Greedy at temperature 0; otherwise Gumbel-max:
     argmax(logits/T + g) with g ~ Gumbel(0, 1) is an exact draw from softmax(logits/T). top-k and top-p keep
-    static shapes: the candidates come from topk (a full sort when top_k is 0), the filtered ones masked out."""
+    static shapes: the candidates come from topk (a full sort when top_k is 0), the rest masked out."""
     if params.temperature == 0:
         return logits.argmax(-1)
     vocab = logits.shape[-1]
@@ -66,7 +66,7 @@ class DecodeState:
     def __init__(self, batch: int, capacity: int, device):
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)  # the token each row feeds next
         self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)  # and its position
-        self.out = torch.zeros(batch, capacity, dtype=torch.long, device=device)  # the tokens generated so far
+        self.out = torch.zeros(batch, capacity, dtype=torch.long, device=device)  # the tokens generated
         self.step = torch.zeros(1, dtype=torch.long, device=device)  # the column of `out` the next goes to
         for t in self.tensors():  # lets cudagraph trees keep them as graph inputs instead of copying them
             torch._dynamo.mark_static_address(t)
@@ -111,7 +111,7 @@ class CUDAGraphStep:
                 self.step(kv_positions)
             # Warm-up advanced the state and the RNG: restore them. Its cache writes sit at positions that the
             # real steps write again before they read them.
-            for t, s in zip(self.state.tensors(), saved):
+            for t, s in zip(self.state.tensors(), saved, strict=True):
                 t.copy_(s)
             torch.cuda.set_rng_state(rng)
             self.graphs[length] = graph
@@ -166,17 +166,17 @@ class Generator:
         first stop token, and timings. on_tokens(rows) gets the tokens so far at each check."""
         state = self.state
         starts = starts or [0] * len(prompts)
-        ends = [start + len(prompt) for start, prompt in zip(starts, prompts)]
+        ends = [start + len(prompt) for start, prompt in zip(starts, prompts, strict=True)]
         if max(ends) + max_new > self.capacity:
             raise UserError(f"prompt ({max(ends)} tokens) + max new tokens ({max_new}) is over the cache "
                             f"length {self.capacity}: raise --cache-len or lower --max-new-tokens")
         sync = torch.cuda.synchronize if state.tokens.is_cuda else (lambda: None)
         t0 = time.perf_counter()
-        for row, (tokens, start) in enumerate(zip(prompts, starts)):  # prefill, a row at a time
+        for row, (tokens, start) in enumerate(zip(prompts, starts, strict=True)):  # prefill, a row at a time
             positions = torch.arange(start, ends[row], device=state.tokens.device)[None]
             logits = self.model(torch.tensor([tokens], device=positions.device), positions,
-                                self.model.key_positions[:ends[row]], rows=slice(row, row + 1), last_only=True,
-                                use_kernels=self.use_kernels)
+                                self.model.key_positions[:ends[row]], rows=slice(row, row + 1),
+                                last_only=True, use_kernels=self.use_kernels)
             state.tokens[row] = sample(logits[:, -1], self.sampling)
         state.positions.copy_(torch.tensor(ends)[:, None])
         state.out[:, 0] = state.tokens[:, 0]
@@ -192,10 +192,10 @@ class Generator:
         rows = [[] for _ in prompts]
         while True:
             new = state.out[:, len(rows[0]):produced].tolist()  # the one sync per check
-            rows = [r + x for r, x in zip(rows, new)]
+            rows = [r + x for r, x in zip(rows, new, strict=True)]
             stopped = [next((i for i, t in enumerate(r) if t in stop_ids), None) for r in rows]
             if on_tokens:
-                on_tokens([r[:s] for r, s in zip(rows, stopped)])
+                on_tokens([r[:s] for r, s in zip(rows, stopped, strict=True)])
             if produced == max_new or all(s is not None for s in stopped):
                 break
             for _ in range(min(check_every, max_new - produced)):
@@ -203,11 +203,11 @@ class Generator:
                 produced += 1
         stats = GenerationStats(prefill_s=t1 - t0, first_step_s=t2 - t1, decode_s=time.perf_counter() - t2,
                                 decode_steps=max(produced - 2, 0))
-        return [r[:s] for r, s in zip(rows, stopped)], stats
+        return [r[:s] for r, s in zip(rows, stopped, strict=True)], stats
 
 
 def load_tokenizer(path: str):
-    """(encode, decode) from tokenizer.json (tokenizers) or tokenizer.model (sentencepiece). Qwen3 has no BOS."""
+    """(encode, decode) from tokenizer.json (tokenizers) or tokenizer.model (sentencepiece); Qwen3: no BOS."""
     if pathlib.Path(path, "tokenizer.json").is_file():
         from tokenizers import Tokenizer
         tok = Tokenizer.from_file(str(pathlib.Path(path, "tokenizer.json")))
@@ -247,12 +247,12 @@ class TextStream:
             self.show(self.decode(self.rows[0]))
             print(file=self.file)
         else:
-            for prompt, row in zip(self.prompts, self.rows):
+            for prompt, row in zip(self.prompts, self.rows, strict=True):
                 print(f"--- {prompt}\n{self.decode(row)}", file=self.file)
 
 
 def chat_turn(user: str, system: str | None = None, no_think: bool = False) -> str:
-    """One user turn in Qwen3's ChatML, opening the assistant's reply (no_think: with an empty think block)."""
+    """One user turn in Qwen3's ChatML, opening the assistant's reply (no_think: an empty think block)."""
     head = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
     tail = "<think>\n\n</think>\n\n" if no_think else ""
     return f"{head}<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n{tail}"
@@ -280,10 +280,10 @@ class ArgumentParser(argparse.ArgumentParser):
 def parse_args(argv=None) -> argparse.Namespace:
     ap = ArgumentParser(description=__doc__.split("\n")[0])
     g = ap.add_argument_group("model")
-    g.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, help="a directory that convert_hf_checkpoint.py "
-                   f"wrote (default: {DEFAULT_REPO}, downloaded and converted on first use)")
-    g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda, cuda:N")
-    g.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: bf16 on CUDA, else fp32")
+    g.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, help="a directory that convert_hf_checkpoint"
+                   f".py wrote (default: {DEFAULT_REPO}, downloaded and converted on first use)")
+    g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda:N")
+    g.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: bf16 on CUDA, fp32")
     g = ap.add_argument_group("prompt")
     g.add_argument("--prompt", action="append", help="repeat it for a batch: one cache row per prompt")
     g.add_argument("--prompt-file", help="one prompt per line (UTF-8), decoded together as a batch")
@@ -292,16 +292,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--no-think", action="store_true", help="with --chat: answer without a thinking block")
     g.add_argument("--interactive", action="store_true", help="chat turn after turn, the history cached")
     g = ap.add_argument_group("sampling (defaults: the checkpoint's generation_config.json, else greedy)")
-    g.add_argument("--temperature", type=checked(float, ">= 0", lambda v: 0 <= v < math.inf), help="0: greedy")
+    g.add_argument("--temperature", type=checked(float, ">= 0", lambda v: 0 <= v < math.inf), help="0 greedy")
     g.add_argument("--top-k", type=checked(int, ">= 0", lambda v: v >= 0), help="0 keeps every token")
-    g.add_argument("--top-p", type=checked(float, "in (0, 1]", lambda v: 0 < v <= 1), help="1 keeps every token")
+    g.add_argument("--top-p", type=checked(float, "in (0, 1]", lambda v: 0 < v <= 1), help="1 keeps all")
     g.add_argument("--seed", type=int, help="makes sampling reproducible")
     g.add_argument("--max-new-tokens", type=POSITIVE, default=200)
-    g.add_argument("--stop-ids", type=int, nargs="*", default=[], help="stop tokens besides the checkpoint's eos")
+    g.add_argument("--stop-ids", type=int, nargs="*", default=[], help="stop tokens besides the model's eos")
     g = ap.add_argument_group("speed")
     g.add_argument("--compile", action="store_true", help="torch.compile the decode step (reduce-overhead)")
     g.add_argument("--cuda-graph", action="store_true", help="capture the decode step as CUDA graphs by hand")
-    g.add_argument("--check-every", type=POSITIVE, default=16, help="decode steps between stop checks (a sync)")
+    g.add_argument("--check-every", type=POSITIVE, default=16, help="decode steps between stop checks")
     g.add_argument("--cache-len", type=POSITIVE, help="KV cache positions (default: prompt + max new tokens; "
                    "8192 with --interactive)")
     g.add_argument("--json", action="store_true", help="the report as one JSON line instead of a sentence")
@@ -381,7 +381,7 @@ def run(a: argparse.Namespace) -> None:
 
 
 def report(stats: GenerationStats, model: Transformer, rows: list[list[int]], a: argparse.Namespace) -> str:
-    """Time to first token, decode speed and peak memory; the first decode step (compilation, capture) apart."""
+    """Time to first token, decode speed and peak memory; the first decode step (compiling, capture) apart."""
     rate = stats.decode_steps / stats.decode_s if stats.decode_steps else 0.0
     if a.device.type == "cuda":
         peak = torch.cuda.max_memory_allocated()

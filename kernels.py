@@ -112,7 +112,8 @@ if triton is not None:
             j = start + tl.arange(0, BLOCK)
             kvmask = (j[:, None] < end) & dmask[None, :]
             offsets = cache + j[:, None] * k_pos + d[None, :]
-            kt, vt = tl.load(k + offsets, mask=kvmask, other=0.0), tl.load(v + offsets, mask=kvmask, other=0.0)
+            kt = tl.load(k + offsets, mask=kvmask, other=0.0)
+            vt = tl.load(v + offsets, mask=kvmask, other=0.0)
             scores = tl.dot(qt, tl.trans(kt), input_precision="ieee") * sm_scale
             scores = tl.where(j[None, :] < end, scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))

@@ -1,4 +1,4 @@
-"""Qwen3 (dense) for fast decoding: fused projections, a static KV cache, one forward for prefill and decode."""
+"""Qwen3 for fast decoding: fused projections, a static KV cache, and one forward for prefill and decode."""
 import json
 import pathlib
 from dataclasses import dataclass, fields
@@ -97,8 +97,8 @@ def linear(args: ModelArgs, n_in: int, n_out: int) -> nn.Module:
 
 def project(proj: nn.Module, x: Tensor, *, fused: bool, norm: RMSNorm | None = None, gated: bool = False,
             residual: Tensor | None = None) -> Tensor:
-    """residual + proj(a), where a is norm(x) with `norm`, silu(gate) * up of x = [gate, up] with `gated`, else
-    x. fused: one Triton kernel (one token on CUDA); otherwise PyTorch's ops, the kernel's reference."""
+    """residual + proj(a), where a is norm(x) with `norm`, silu(gate) * up of x = [gate, up] with `gated`,
+    else x. fused: one Triton kernel (one token on CUDA); otherwise PyTorch's ops, the kernel's reference."""
     if fused:
         norm_weight = None if norm is None else norm.weight
         eps = 0.0 if norm is None else norm.eps
@@ -116,8 +116,8 @@ def project(proj: nn.Module, x: Tensor, *, fused: bool, norm: RMSNorm | None = N
 
 class StaticKVCache(nn.Module):
     """Keys and values of one layer at absolute positions, one row per request slot: (slots, kv_heads,
-    capacity, head_dim), zero-filled. A slot not yet written, or left over from a longer earlier request, sits at
-    a position greater than every live query of its row, so the causal rule key_pos <= query_pos hides it:
+    capacity, head_dim), zero-filled. A slot not yet written, or left over from a longer earlier request, sits
+    at a position greater than every live query of its row, so the causal rule key_pos <= query_pos hides it:
     nothing to clear."""
 
     def __init__(self, slots: int, kv_heads: int, capacity: int, head_dim: int, dtype, device):
@@ -248,7 +248,7 @@ class Transformer(nn.Module):
                 last_only: bool = False, use_kernels: bool = False) -> Tensor:
         """tokens, positions: (R, T) for cache rows `rows`; kv_positions: the cache prefix to attend over (a
         slice of key_positions covering every position written so far). use_kernels: the Triton kernels run
-        where they apply, for a single token. Returns logits (R, T, vocab), or (R, 1, vocab) with last_only."""
+        where they apply (a single token). Returns logits (R, T, vocab), or (R, 1, vocab) with last_only."""
         fused = use_kernels and tokens.numel() == 1
         mask = None
         if not fused:  # causal, which also hides unwritten and stale slots
@@ -301,7 +301,8 @@ class Transformer(nn.Module):
         mismatched = sorted(n for n in expected.keys() | found.keys() if expected.get(n) != found.get(n))
         if mismatched:
             raise UserError(f"{path}: weights do not match config.json ({len(mismatched)} tensors missing, "
-                            f"unexpected or of another shape, first {mismatched[0]}); convert the checkpoint again")
+                            f"unexpected or of another shape, first {mismatched[0]}); convert the checkpoint "
+                            "again")
         if args.tie_word_embeddings:
             state["lm_head.weight"] = state["embed_tokens.weight"]
         model.load_state_dict(state, strict=True, assign=True)  # the loaded tensors themselves: no copy
