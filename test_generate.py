@@ -2,7 +2,6 @@
 
 Topics in order: model parity, cache, converter, sampling, decode modes, CLI, kernels. Tests marked needs_cuda
 skip without a GPU; the kernel tests also run on the CPU in Triton's interpreter, in a subprocess."""
-
 import inspect
 import io
 import json
@@ -37,39 +36,14 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def hf_checkpoint(
-    path,
-    *,
-    hidden=64,
-    heads=4,
-    kv_heads=2,
-    head_dim=16,
-    layers=2,
-    tied=False,
-    sharded=False,
-    old_rope=False,
-    dtype=torch.float32,
-    seed=0,
-    vocab=VOCAB,
-    tokenizer=True,
-):
+def hf_checkpoint(path, *, hidden=64, heads=4, kv_heads=2, head_dim=16, layers=2, tied=False, sharded=False,
+                  old_rope=False, dtype=torch.float32, seed=0, vocab=VOCAB, tokenizer=True):
     """A random Qwen3 snapshot written by transformers itself (save_pretrained)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    cfg = Qwen3Config(
-        hidden_size=hidden,
-        intermediate_size=2 * hidden + 32,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        vocab_size=vocab,
-        max_position_embeddings=2048,
-        rope_theta=1e4 if old_rope else 1e6,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=tied,
-        eos_token_id=vocab - 1,
-    )
+    cfg = Qwen3Config(hidden_size=hidden, intermediate_size=2 * hidden + 32, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                      vocab_size=vocab, max_position_embeddings=2048, rope_theta=1e4 if old_rope else 1e6,
+                      rms_norm_eps=1e-6, tie_word_embeddings=tied, eos_token_id=vocab - 1)
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(cfg).eval()
     with torch.no_grad():  # norms start at ones: make them matter
@@ -91,35 +65,19 @@ def hf_checkpoint(
 def write_tokenizer(path):
     """A tiny byte-level BPE tokenizer with Qwen3's chat tokens, built with the tokenizers library."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB - 8,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(
-        [
-            "hello world, the quick brown fox jumps over the lazy dog. " * 20,
-            "user assistant system think why is the sky blue?",
-        ]
-        * 10,
-        trainer,
-    )
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 8, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(["hello world, the quick brown fox jumps over the lazy dog. " * 20,
+                             "user assistant system think why is the sky blue?"] * 10, trainer)
     tok.add_tokens(["<think>", "</think>"])
     tok.save(os.path.join(path, "tokenizer.json"))
     eos = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]
-    generation_config = {
-        "do_sample": True,
-        "eos_token_id": eos,
-        "temperature": 0.6,
-        "top_k": 20,
-        "top_p": 0.95,
-    }
+    generation_config = {"do_sample": True, "eos_token_id": eos, "temperature": 0.6, "top_k": 20,
+                         "top_p": 0.95}
     json.dump(generation_config, open(os.path.join(path, "generation_config.json"), "w"))
 
 
@@ -148,36 +106,15 @@ def forward(model, tokens, start=0, row=0, use_kernels=False):
     t = torch.tensor([tokens], device=model.norm.weight.device)
     pos = torch.arange(start, start + len(tokens), device=t.device)[None]
     with torch.no_grad():
-        return model(
-            t,
-            pos,
-            model.key_positions[: start + len(tokens)],
-            rows=slice(row, row + 1),
-            use_kernels=use_kernels,
-        )[0]
+        return model(t, pos, model.key_positions[:start + len(tokens)], rows=slice(row, row + 1),
+                     use_kernels=use_kernels)[0]
 
 
-def generator(
-    path,
-    batch=1,
-    capacity=512,
-    sampling=GREEDY,
-    device="cpu",
-    dtype=torch.float32,
-    use_kernels=False,
-    compile=False,
-    cuda_graph=False,
-):
+def generator(path, batch=1, capacity=512, sampling=GREEDY, device="cpu", dtype=torch.float32,
+              use_kernels=False, compile=False, cuda_graph=False):
     model = Transformer.from_checkpoint(path, device, dtype)
-    return G.Generator(
-        model,
-        batch=batch,
-        capacity=capacity,
-        sampling=sampling,
-        use_kernels=use_kernels,
-        compile=compile,
-        cuda_graph=cuda_graph,
-    )
+    return G.Generator(model, batch=batch, capacity=capacity, sampling=sampling, use_kernels=use_kernels,
+                       compile=compile, cuda_graph=cuda_graph)
 
 
 def greedy(path, prompts, max_new=24, check_every=5, stop_ids=(), capacity=512, **kw):
@@ -188,33 +125,31 @@ def greedy(path, prompts, max_new=24, check_every=5, stop_ids=(), capacity=512, 
 def cli(*args, stdin=None, cwd=None, env=None, script=None):
     """generate.py (or `script`) run as a user runs it, on the CPU."""
     command = [sys.executable, script or os.path.join(HERE, "generate.py"), *args]
-    return subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        input=stdin,
-        timeout=300,
-        cwd=cwd,
-        env={**os.environ, **(env or {})},
-    )
+    return subprocess.run(command, capture_output=True, text=True, input=stdin, timeout=300, cwd=cwd,
+                          env={**os.environ, **(env or {})})
 
 
 def with_patch(patch, script, *args, stdin=None):
     """Runs `script` (generate.py or convert_hf_checkpoint.py) as a CLI after the Python code `patch`: how the
     tests press Ctrl-C at a chosen moment."""
-    code = "\n".join(
-        [
-            "import sys",
-            f"sys.path.insert(0, {HERE!r})",
-            f"sys.argv = [{script!r}, *{list(args)!r}]",
-            "import generate, convert_hf_checkpoint",
-            textwrap.dedent(patch),
-            f"{script.removesuffix('.py')}.main()",
-        ]
-    )
-    return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, input=stdin, timeout=300
-    )
+    code = "\n".join(["import sys", f"sys.path.insert(0, {HERE!r})",
+                      f"sys.argv = [{script!r}, *{list(args)!r}]",
+                      "import generate, convert_hf_checkpoint", textwrap.dedent(patch),
+                      f"{script.removesuffix('.py')}.main()"])
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, input=stdin,
+                          timeout=300)
+
+
+# For with_patch: Ctrl-C pressed while the text of the second check (the first decode steps) is being shown.
+CTRL_C_AT_THE_SECOND_CHECK = """
+    calls = []
+    original = generate.TextStream.__call__
+    def pressed(self, rows):
+        original(self, rows)
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+    generate.TextStream.__call__ = pressed"""
 
 
 def one_line_error(r, message):
@@ -231,13 +166,11 @@ def one_line_error(r, message):
 # tied/untied; head_dim != hidden/heads; GQA ratio 1, 2, 4; single-file and sharded; old and new rope
 PARITY = {
     "tied-gqa1-hd24-single-newrope": dict(tied=True, heads=4, kv_heads=4, head_dim=24),
-    "untied-gqa2-sharded-oldrope": dict(
-        tied=False, heads=4, kv_heads=2, head_dim=16, sharded=True, old_rope=True
-    ),
+    "untied-gqa2-sharded-oldrope": dict(tied=False, heads=4, kv_heads=2, head_dim=16, sharded=True,
+                                        old_rope=True),
     "untied-gqa4-hd32-sharded-newrope": dict(tied=False, heads=8, kv_heads=2, head_dim=32, sharded=True),
-    "tied-gqa2-hd8-single-oldrope-3layers": dict(
-        tied=True, heads=8, kv_heads=4, head_dim=8, old_rope=True, layers=3
-    ),
+    "tied-gqa2-hd8-single-oldrope-3layers": dict(tied=True, heads=8, kv_heads=4, head_dim=8, old_rope=True,
+                                                 layers=3),
 }
 
 
@@ -287,15 +220,9 @@ def test_parity_with_transformers_bf16(tmp_path):
 
 
 def test_config_variants():
-    base = {
-        "architectures": ["Qwen3ForCausalLM"],
-        "hidden_size": 1024,
-        "num_attention_heads": 16,
-        "head_dim": 128,
-        "num_key_value_heads": 8,
-        "intermediate_size": 3072,
-        "num_hidden_layers": 28,
-    }
+    base = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 1024, "num_attention_heads": 16,
+            "head_dim": 128,
+            "num_key_value_heads": 8, "intermediate_size": 3072, "num_hidden_layers": 28}
     assert ModelArgs.from_config({**base, "rope_theta": 5e5}).rope_theta == 5e5
     new_style = {**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
     assert ModelArgs.from_config(new_style).rope_theta == 1e6
@@ -310,7 +237,6 @@ def test_config_variants():
 
 # ---------------------------------------------------------------- StaticKVCache
 
-
 def test_cache_rows_of_different_lengths_do_not_see_each_other(tiny):
     torch.manual_seed(3)
     a, b = torch.randint(0, VOCAB, (7,)).tolist(), torch.randint(0, VOCAB, (19,)).tolist()
@@ -321,7 +247,7 @@ def test_cache_rows_of_different_lengths_do_not_see_each_other(tiny):
     nxt = torch.tensor([[5], [9]])
     pos = torch.tensor([[len(a)], [len(b)]])
     with torch.no_grad():
-        step = both(nxt, pos, both.key_positions[: len(b) + 1])
+        step = both(nxt, pos, both.key_positions[:len(b) + 1])
     for i, (p, t) in enumerate(((a, 5), (b, 9))):
         assert torch.allclose(got[i], alone[i], atol=1e-5)
         single = load(tiny)
@@ -354,7 +280,6 @@ def test_attended_length_buckets():
 
 # ---------------------------------------------------------------- converter
 
-
 def test_convert_output_layout_and_tied_lm_head(tmp_path):
     hf, path = converted(tmp_path, tied=True)
     names = set()
@@ -379,47 +304,24 @@ def test_convert_memory_stays_bounded(tmp_path):
     """Converting a ~650 MB sharded checkpoint takes far less memory than its size (a tensor at a time)."""
     src = tmp_path / "big"
     src.mkdir()
-    args = ModelArgs(
-        hidden_size=512,
-        intermediate_size=2048,
-        num_hidden_layers=40,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=64,
-        vocab_size=8000,
-        tie_word_embeddings=False,
-    )
-    cfg = {
-        "architectures": ["Qwen3ForCausalLM"],
-        **{k: v for k, v in vars(args).items() if k != "quantization"},
-    }
+    args = ModelArgs(hidden_size=512, intermediate_size=2048, num_hidden_layers=40, num_attention_heads=8,
+                     num_key_value_heads=4, head_dim=64, vocab_size=8000, tie_word_embeddings=False)
+    fields = {k: v for k, v in vars(args).items() if k != "quantization"}
+    cfg = {"architectures": ["Qwen3ForCausalLM"], **fields}
     json.dump(cfg, open(src / "config.json", "w"))
     hf_names = {}
     h, d, kv, inter = args.hidden_size, args.head_dim, args.num_key_value_heads, args.intermediate_size
     for i in range(args.num_hidden_layers):
         p = f"model.layers.{i}."
-        hf_names.update(
-            {
-                p + "self_attn.q_proj.weight": (8 * d, h),
-                p + "self_attn.k_proj.weight": (kv * d, h),
-                p + "self_attn.v_proj.weight": (kv * d, h),
-                p + "self_attn.o_proj.weight": (h, 8 * d),
-                p + "self_attn.q_norm.weight": (d,),
-                p + "self_attn.k_norm.weight": (d,),
-                p + "mlp.gate_proj.weight": (inter, h),
-                p + "mlp.up_proj.weight": (inter, h),
-                p + "mlp.down_proj.weight": (h, inter),
-                p + "input_layernorm.weight": (h,),
-                p + "post_attention_layernorm.weight": (h,),
-            }
-        )
-    hf_names.update(
-        {
-            "model.embed_tokens.weight": (args.vocab_size, h),
-            "model.norm.weight": (h,),
-            "lm_head.weight": (args.vocab_size, h),
-        }
-    )
+        hf_names.update({p + "self_attn.q_proj.weight": (8 * d, h), p + "self_attn.o_proj.weight": (h, 8 * d),
+                         p + "self_attn.k_proj.weight": (kv * d, h),
+                         p + "self_attn.v_proj.weight": (kv * d, h),
+                         p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
+                         p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                         p + "mlp.down_proj.weight": (h, inter),
+                         p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+    hf_names.update({"model.embed_tokens.weight": (args.vocab_size, h), "model.norm.weight": (h,),
+                     "lm_head.weight": (args.vocab_size, h)})
     shard, total, n, weight_map = {}, 0, 0, {}
     for name, shape in hf_names.items():
         shard[name] = torch.randn(shape)
@@ -442,20 +344,16 @@ def test_convert_memory_stays_bounded(tmp_path):
         print(base, hwm())""")
 
     def peak_above_baseline(body):
-        r = subprocess.run(
-            [sys.executable, "-c", code.format(body)], check=True, capture_output=True, text=True
-        )
+        r = subprocess.run([sys.executable, "-c", code.format(body)], check=True, capture_output=True,
+                           text=True)
         base, peak = [int(x) * 1024 for x in r.stdout.split()[-2:]]
         return peak - base
-
-    used = peak_above_baseline(
-        f"convert_hf_checkpoint.main(['--checkpoint-dir', {str(src)!r}, '--shard-size-mb', '32'])"
-    )
+    used = peak_above_baseline(f"convert_hf_checkpoint.main(['--checkpoint-dir', {str(src)!r}, "
+                               "'--shard-size-mb', '32'])")
     assert used < 0.25 * total, (used, total)
-    used = peak_above_baseline(
-        f"from safetensors.torch import load_file; import glob; w = [[t.clone() for t in "
-        f"load_file(f).values()] for f in glob.glob({str(src)!r} + '/*.safetensors')]"
-    )
+    shards = repr(str(src) + "/*.safetensors")
+    used = peak_above_baseline("from safetensors.torch import load_file; import glob; w = [[t.clone() "
+                               f"for t in load_file(f).values()] for f in glob.glob({shards})]")
     assert used > 0.8 * total  # while loading it whole does show up: the measurement can fail
     model = load(str(src / "converted"))  # and the result is complete
     assert model.layers[39].mlp.gate_up_proj.weight.shape == (4096, 512)
@@ -471,9 +369,8 @@ def convert_error(argv, capsys):
     with pytest.raises(SystemExit) as e:
         convert.main(argv)
     message = str(e.value.code)
-    assert (
-        message.startswith("error: ") and "\n" not in message and "Traceback" not in capsys.readouterr().err
-    )
+    assert message.startswith("error: ") and "\n" not in message
+    assert "Traceback" not in capsys.readouterr().err
     return message
 
 
@@ -496,7 +393,7 @@ def test_convert_bad_inputs_one_line_and_nothing_written(snapshot, tmp_path, cap
     shards = sorted(p for p in snapshot.iterdir() if p.suffix == ".safetensors")
     # a truncated shard (the last one, so the others are written before the failure)
     data = shards[-1].read_bytes()
-    shards[-1].write_bytes(data[: len(data) // 2])
+    shards[-1].write_bytes(data[:len(data) // 2])
     message = convert_error(argv, capsys)
     assert "truncated or corrupt" in message or "not a readable" in message
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".converting")]
@@ -529,9 +426,9 @@ def test_convert_never_replaces_anything(snapshot, tmp_path, capsys, monkeypatch
     a_file.write_text("mine as well")
     for output in (user_dir, snapshot, a_file):
         assert "exists" in convert_error(["--checkpoint-dir", str(snapshot), "--output", str(output)], capsys)
-    assert "cannot write" in convert_error(
-        ["--checkpoint-dir", str(snapshot), "--output", str(a_file / "out")], capsys
-    )
+    assert "cannot write" in convert_error(["--checkpoint-dir", str(snapshot), "--output",
+                                            str(a_file / "out")],
+                                           capsys)
     monkeypatch.chdir(tmp_path)  # --output . : the current directory holds the user's files
     assert "exists" in convert_error(["--checkpoint-dir", str(snapshot), "--output", "."], capsys)
     assert (user_dir / "notes.txt").read_text() == "mine" and a_file.read_text() == "mine as well"
@@ -566,19 +463,16 @@ def fake_hub(tmp_path, source=None):
     """A huggingface_hub package whose snapshot_download copies `source` (or fails, as offline)."""
     package = tmp_path / "fake_hub" / "huggingface_hub"
     package.mkdir(parents=True)
-    (package / "__init__.py").write_text(
-        textwrap.dedent(f"""
+    (package / "__init__.py").write_text(textwrap.dedent(f"""
         import shutil
         class LocalEntryNotFoundError(Exception):
             pass
         def snapshot_download(repo, local_dir, allow_patterns):
             if {str(source) if source else None!r} is None:
                 raise LocalEntryNotFoundError("Cannot find the requested files in the disk cache and "
-                                              "outgoing "
-                                              "traffic has been disabled.\\nMore lines.")
+                                              "outgoing traffic has been disabled.\\nMore lines.")
             shutil.copytree({str(source)!r}, local_dir)
-            return local_dir""")
-    )
+            return local_dir"""))
     return {"PYTHONPATH": str(package.parent)}
 
 
@@ -587,41 +481,21 @@ def test_convert_repo_downloads_first(tmp_path):
     hf_checkpoint(str(tmp_path / "hub"), tokenizer=False)
     work = tmp_path / "work"
     work.mkdir()
-    r = cli(
-        "--repo",
-        "Qwen/Qwen3-tiny",
-        script=os.path.join(HERE, "convert_hf_checkpoint.py"),
-        cwd=work,
-        env=fake_hub(tmp_path, tmp_path / "hub"),
-    )
+    r = cli("--repo", "Qwen/Qwen3-tiny", script=os.path.join(HERE, "convert_hf_checkpoint.py"), cwd=work,
+            env=fake_hub(tmp_path, tmp_path / "hub"))
     assert r.returncode == 0, r.stderr
     assert load(str(work / "checkpoints" / "Qwen" / "Qwen3-tiny" / "converted")).args.num_hidden_layers == 2
-    offline = cli(
-        "--repo",
-        "Qwen/Qwen3-tiny",
-        script=os.path.join(HERE, "convert_hf_checkpoint.py"),
-        cwd=tmp_path,
-        env=fake_hub(tmp_path / "offline"),
-    )
+    offline = cli("--repo", "Qwen/Qwen3-tiny", script=os.path.join(HERE, "convert_hf_checkpoint.py"),
+                  cwd=tmp_path, env=fake_hub(tmp_path / "offline"))
     one_line_error(offline, "cannot download Qwen/Qwen3-tiny (LocalEntryNotFoundError")
 
 
 # ---------------------------------------------------------------- int8 weight-only quantization
 
-
 @pytest.mark.parametrize("tied", [False, True])
 def test_int8_quality_against_fp32(tmp_path, tied):
-    hf, path = converted(
-        tmp_path,
-        tokenizer=False,
-        hidden=128,
-        heads=8,
-        kv_heads=2,
-        head_dim=32,
-        layers=4,
-        vocab=2048,
-        tied=tied,
-    )
+    hf, path = converted(tmp_path, tokenizer=False, hidden=128, heads=8, kv_heads=2, head_dim=32, layers=4,
+                         vocab=2048, tied=tied)
     convert.convert(str(tmp_path / "hf"), str(tmp_path / "int8"), int8=True)
     q8 = load(str(tmp_path / "int8"))
     assert q8.layers[0].self_attn.qkv_proj.weight.dtype == torch.int8
@@ -643,29 +517,24 @@ def test_int8_quality_against_fp32(tmp_path, tied):
     assert same >= 16
     def size(d):
         return sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d) if f.endswith(".safetensors"))
-
-    quantized = sum(
-        p.numel() for n, p in ref.named_parameters() if "proj" in n or n == "lm_head.weight" and not tied
-    )
-    assert (
-        size(tmp_path / "int8") < size(path) - 0.7 * quantized * 4
-    )  # those weights shrank 4x (fp32 -> int8)
+    quantized = sum(p.numel() for n, p in ref.named_parameters()
+                    if "proj" in n or n == "lm_head.weight" and not tied)
+    # those weights shrank 4x (fp32 -> int8)
+    assert size(tmp_path / "int8") < size(path) - 0.7 * quantized * 4
 
 
 def test_int8_checkpoint_with_a_bf16_lm_head_is_refused_in_one_line(tmp_path):
     # untied int8 checkpoints written before lm_head was quantized: lm_head.weight in float, no lm_head.scale
     hf, path = converted(tmp_path, tokenizer=False)
     convert.convert(str(tmp_path / "hf"), str(tmp_path / "int8"), int8=True)
-    shard = next(
-        f for f in sorted((tmp_path / "int8").glob("*.safetensors")) if "lm_head.scale" in load_file(f)
-    )
+    shards = sorted((tmp_path / "int8").glob("*.safetensors"))
+    shard = next(f for f in shards if "lm_head.scale" in load_file(f))
     state = load_file(shard)
     q, scale = state["lm_head.weight"], state.pop("lm_head.scale")
     state["lm_head.weight"] = q.float() * scale[:, None]
     save_file(state, shard)
-    with pytest.raises(
-        UserError, match=r"do not match config.json .*lm_head.scale.*convert the checkpoint again"
-    ):
+    with pytest.raises(UserError,
+                       match=r"do not match config.json .*lm_head.scale.*convert the checkpoint again"):
         load(str(tmp_path / "int8"))
 
 
@@ -679,9 +548,8 @@ def test_int8_quantize_roundtrip():
 def test_int8_bad_inputs(tmp_path, capsys):
     hf, path = converted(tmp_path, tokenizer=False)
     convert.convert(str(tmp_path / "hf"), str(tmp_path / "int8"), int8=True)
-    assert "already converted" in convert_error(
-        ["--checkpoint-dir", str(tmp_path / "int8"), "--int8"], capsys
-    )
+    assert "already converted" in convert_error(["--checkpoint-dir", str(tmp_path / "int8"), "--int8"],
+                                                capsys)
     assert "already converted" in convert_error(["--checkpoint-dir", path], capsys)
     cfg = json.load(open(tmp_path / "int8" / "config.json"))
     json.dump({**cfg, "quantization": None}, open(tmp_path / "int8" / "config.json", "w"))
@@ -693,7 +561,6 @@ def test_int8_bad_inputs(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------- sampling
-
 
 def exact_filtered(logits, temperature, top_k, top_p):
     """The distribution sample() should draw from, the slow obvious way, in transformers' order: temperature,
@@ -760,7 +627,6 @@ def test_sampling_settings_resolved_from_flags_then_generation_config():
 
 # ---------------------------------------------------------------- decode modes
 
-
 def test_greedy_decode_equals_full_recomputation(tiny):
     prompt = [1, 2, 3, 4, 5]
     out = greedy(tiny, [prompt], max_new=30)[0]
@@ -773,7 +639,6 @@ def test_greedy_decode_equals_full_recomputation(tiny):
 
 def test_compile_matches_eager_on_cpu(tiny):
     from torch._dynamo.utils import counters
-
     counters.clear()
     prompts = [[7, 8, 9], [4, 4, 4, 4, 4, 4, 4]]
     # 300 steps cross the 256 -> 512 attended-length bucket: still one compiled graph (the length is dynamic)
@@ -817,18 +682,15 @@ def test_generation_stats_count_the_first_step_apart(tiny):
 
 
 @needs_cuda
-@pytest.mark.parametrize(
-    "prompts", [[[1, 2, 3, 4]], [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11]]], ids=["batch1", "batch2"]
-)
+@pytest.mark.parametrize("prompts", [[[1, 2, 3, 4]], [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11]]],
+                         ids=["batch1", "batch2"])
 def test_cuda_eager_compile_graph_identical_greedy(tiny, prompts):
     """Batch 1 runs the Triton decode kernels, batch 2 PyTorch's ops."""
-    eager = greedy(
-        tiny, prompts, max_new=300, device="cuda", use_kernels=True
-    )  # crosses the 256 -> 512 bucket
+    # crosses the 256 -> 512 bucket
+    eager = greedy(tiny, prompts, max_new=300, device="cuda", use_kernels=True)
     for compile, graph in [(True, False), (False, True), (True, True)]:
-        got = greedy(
-            tiny, prompts, max_new=300, device="cuda", use_kernels=True, compile=compile, cuda_graph=graph
-        )
+        got = greedy(tiny, prompts, max_new=300, device="cuda", use_kernels=True, compile=compile,
+                     cuda_graph=graph)
         assert got == eager
 
 
@@ -838,15 +700,8 @@ def test_cuda_sampling_is_seeded_and_fresh_every_step(tiny, mode):
     """Sampled decoding in every mode: the same seed gives the same tokens, another seed others, and each step
     draws new noise (a graph that replayed one captured draw would repeat itself)."""
     sampling = G.SamplingParams(temperature=1.0, top_k=20, top_p=0.95)
-    gen = generator(
-        tiny,
-        sampling=sampling,
-        device="cuda",
-        dtype=torch.bfloat16,
-        use_kernels=True,
-        compile="compile" in mode,
-        cuda_graph="graph" in mode,
-    )
+    gen = generator(tiny, sampling=sampling, device="cuda", dtype=torch.bfloat16, use_kernels=True,
+                    compile="compile" in mode, cuda_graph="graph" in mode)
     runs = []
     for seed in (0, 0, 1):
         torch.manual_seed(seed)
@@ -859,16 +714,8 @@ def test_cuda_sampling_is_seeded_and_fresh_every_step(tiny, mode):
 @pytest.mark.parametrize("mode", ["eager", "graph", "compile"])
 def test_cuda_no_host_sync_inside_decode_steps(tiny, mode):
     sampling = G.SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
-    gen = generator(
-        tiny,
-        capacity=1024,
-        sampling=sampling,
-        device="cuda",
-        dtype=torch.bfloat16,
-        use_kernels=True,
-        compile=mode == "compile",
-        cuda_graph=mode == "graph",
-    )
+    gen = generator(tiny, capacity=1024, sampling=sampling, device="cuda", dtype=torch.bfloat16,
+                    use_kernels=True, compile=mode == "compile", cuda_graph=mode == "graph")
     gen.generate([[1, 2, 3]], max_new=40, stop_ids=set())  # warm-up: compile and capture
     inner = gen.step
 
@@ -878,7 +725,6 @@ def test_cuda_no_host_sync_inside_decode_steps(tiny, mode):
             inner(kv_positions)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-
     gen.step = checked
     out = gen.generate([[1, 2, 3]], max_new=40, stop_ids=set())[0][0]
     assert len(out) == 40
@@ -893,31 +739,18 @@ def test_cuda_int8_modes_identical_greedy(tmp_path):
     # after the scale, which flips near-tied greedy choices of a random model.
     eager = greedy(q8, [[1, 2, 3]], max_new=40, device="cuda", use_kernels=True)
     for compile, graph in [(True, False), (False, True), (True, True)]:
-        got = greedy(
-            q8, [[1, 2, 3]], max_new=40, device="cuda", use_kernels=True, compile=compile, cuda_graph=graph
-        )
+        got = greedy(q8, [[1, 2, 3]], max_new=40, device="cuda", use_kernels=True, compile=compile,
+                     cuda_graph=graph)
         assert got == eager
 
 
 # ---------------------------------------------------------------- command line
 
-
 def test_cli_end_to_end_streams_the_generated_text(tiny):
-    r = cli(
-        "--device",
-        "cpu",
-        "--checkpoint",
-        tiny,
-        "--prompt",
-        "hello world",
-        "--max-new-tokens",
-        "12",
-        "--temperature",
-        "0",
-    )
+    r = cli("--device", "cpu", "--checkpoint", tiny, "--prompt", "hello world", "--max-new-tokens", "12",
+            "--temperature", "0")
     assert r.returncode == 0, r.stderr
     from tokenizers import Tokenizer
-
     tok = Tokenizer.from_file(os.path.join(tiny, "tokenizer.json"))
     eos = json.load(open(os.path.join(tiny, "generation_config.json")))["eos_token_id"]
     expected = greedy(tiny, [tok.encode("hello world").ids], max_new=12, stop_ids=eos)[0]
@@ -927,18 +760,8 @@ def test_cli_end_to_end_streams_the_generated_text(tiny):
 
 
 def test_cli_json_report_and_first_step_apart(tiny):
-    r = cli(
-        "--device",
-        "cpu",
-        "--checkpoint",
-        tiny,
-        "--prompt",
-        "hello",
-        "--max-new-tokens",
-        "12",
-        "--compile",
-        "--json",
-    )
+    r = cli("--device", "cpu", "--checkpoint", tiny, "--prompt", "hello", "--max-new-tokens", "12",
+            "--compile", "--json")
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stderr.strip().splitlines()[-1])
     assert report["new_tokens"] >= 1 and report["rows"] == 1 and report["peak_memory_GB"] > 0
@@ -949,111 +772,51 @@ def test_cli_json_report_and_first_step_apart(tiny):
 def test_cli_chat_batch_and_sampling(tiny, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("why is the sky blue?\nhello\n")
-    r = cli(
-        "--device",
-        "cpu",
-        "--checkpoint",
-        tiny,
-        "--prompt-file",
-        str(prompts),
-        "--chat",
-        "--no-think",
-        "--system",
-        "be brief",
-        "--max-new-tokens",
-        "8",
-        "--seed",
-        "3",
-    )
+    r = cli("--device", "cpu", "--checkpoint", tiny, "--prompt-file", str(prompts), "--chat", "--no-think",
+            "--system", "be brief", "--max-new-tokens", "8", "--seed", "3")
     assert r.returncode == 0, r.stderr
-    assert (
-        r.stdout.startswith("--- why is the sky blue?\n") and r.stdout.count("--- ") == 2
-    )  # each prompt, once
-    same = [
-        cli(
-            "--device",
-            "cpu",
-            "--checkpoint",
-            tiny,
-            "--prompt",
-            "hello",
-            "--max-new-tokens",
-            "10",
-            "--seed",
-            "7",
-        ).stdout
-        for _ in range(2)
-    ]
+    # each prompt, once
+    assert r.stdout.startswith("--- why is the sky blue?\n") and r.stdout.count("--- ") == 2
+    same = [cli("--device", "cpu", "--checkpoint", tiny, "--prompt", "hello", "--max-new-tokens", "10",
+                "--seed", "7").stdout for _ in range(2)]
     assert same[0] == same[1]  # --seed makes sampling reproducible
 
 
 def test_cli_stop_ids(tiny):
     from tokenizers import Tokenizer
-
     tok = Tokenizer.from_file(os.path.join(tiny, "tokenizer.json"))
     eos = json.load(open(os.path.join(tiny, "generation_config.json")))["eos_token_id"]
     ids = greedy(tiny, [tok.encode("hello world").ids], max_new=16, stop_ids=eos)[0]
     stop = ids[len(ids) // 2]
-    r = cli(
-        "--device",
-        "cpu",
-        "--checkpoint",
-        tiny,
-        "--prompt",
-        "hello world",
-        "--max-new-tokens",
-        "16",
-        "--temperature",
-        "0",
-        "--stop-ids",
-        str(stop),
-    )
+    r = cli("--device", "cpu", "--checkpoint", tiny, "--prompt", "hello world", "--max-new-tokens", "16",
+            "--temperature", "0", "--stop-ids", str(stop))
     assert r.returncode == 0, r.stderr
-    assert r.stdout == tok.decode(ids[: ids.index(stop)]) + "\n"
+    assert r.stdout == tok.decode(ids[:ids.index(stop)]) + "\n"
 
 
 def test_sentencepiece_tokenizer(tiny, tmp_path):
     """Checkpoints that ship tokenizer.model instead of tokenizer.json go through sentencepiece."""
     import sentencepiece
-
     ckpt = tmp_path / "sp"
     shutil.copytree(tiny, ckpt)
     (ckpt / "tokenizer.json").unlink()
     model = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(["hello world, the quick brown fox"] * 50),
-        model_writer=model,
-        vocab_size=40,
-        model_type="bpe",
-    )
+    sentences = iter(["hello world, the quick brown fox"] * 50)
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=sentences, model_writer=model, vocab_size=40,
+                                             model_type="bpe")
     (ckpt / "tokenizer.model").write_bytes(model.getvalue())
     encode, decode = G.load_tokenizer(str(ckpt))
     assert decode(encode("hello world")) == "hello world" and max(encode("hello world")) < VOCAB
-    r = cli(
-        "--device",
-        "cpu",
-        "--checkpoint",
-        str(ckpt),
-        "--prompt",
-        "hello world",
-        "--max-new-tokens",
-        "8",
-        "--temperature",
-        "0",
-    )
+    r = cli("--device", "cpu", "--checkpoint", str(ckpt), "--prompt", "hello world", "--max-new-tokens", "8",
+            "--temperature", "0")
     assert r.returncode == 0, r.stderr
-    expected = greedy(
-        str(ckpt),
-        [encode("hello world")],
-        max_new=8,
-        stop_ids=json.load(open(ckpt / "generation_config.json"))["eos_token_id"],
-    )[0]
+    expected = greedy(str(ckpt), [encode("hello world")], max_new=8,
+                      stop_ids=json.load(open(ckpt / "generation_config.json"))["eos_token_id"])[0]
     assert r.stdout == decode(expected) + "\n"
 
 
 def test_text_stream_holds_back_split_characters(tiny):
     from tokenizers import Tokenizer
-
     tok = Tokenizer.from_file(os.path.join(tiny, "tokenizer.json"))
     ids = tok.encode("hello 🦙 world ñ").ids
     decode = tok.decode
@@ -1071,106 +834,40 @@ def test_chat_template():
     assert G.chat_turn("hi") == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert G.chat_turn("hi", "sys", True) == (
         "<|im_start|>system\nsys<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
-        "<|im_start|>assistant\n<think>\n\n</think>\n\n"
-    )
+                                              "<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
 def test_cli_interactive(tiny):
-    r = cli(
-        "--device",
-        "cpu",
-        "--checkpoint",
-        tiny,
-        "--interactive",
-        "--max-new-tokens",
-        "6",
-        "--temperature",
-        "0",
-        stdin="hello\nworld\n",
-    )
+    r = cli("--device", "cpu", "--checkpoint", tiny, "--interactive", "--max-new-tokens", "6",
+            "--temperature", "0", stdin="hello\nworld\n")
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("> ") == 3  # two answered turns, then end of input
 
 
 def test_cli_interactive_ctrl_c_stops_a_reply_and_a_full_cache_starts_over(tiny):
     # Ctrl-C in the first reply, after its first tokens: back to the prompt, and the conversation goes on.
-    patch = """
-        calls = []
-        original = generate.TextStream.__call__
-        def pressed(self, rows):
-            original(self, rows)
-            calls.append(1)
-            if len(calls) == 2:
-                raise KeyboardInterrupt
-        generate.TextStream.__call__ = pressed"""
-    r = with_patch(
-        patch,
-        "generate.py",
-        "--device",
-        "cpu",
-        "--checkpoint",
-        tiny,
-        "--interactive",
-        "--max-new-tokens",
-        "40",
-        "--check-every",
-        "2",
-        "--temperature",
-        "0",
-        stdin="hello\nworld\n",
-    )
+    r = with_patch(CTRL_C_AT_THE_SECOND_CHECK, "generate.py", "--device", "cpu", "--checkpoint", tiny,
+                   "--interactive", "--max-new-tokens", "40", "--check-every", "2", "--temperature", "0",
+                   stdin="hello\nworld\n")
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     assert r.stdout.count("> ") == 3
     # A cache of 64 positions: the third turn no longer fits, is refused on stderr, and the next starts over.
     fox = "the quick brown fox jumps over the lazy dog " * 2
-    r = cli(
-        "--device",
-        "cpu",
-        "--checkpoint",
-        tiny,
-        "--interactive",
-        "--max-new-tokens",
-        "16",
-        "--temperature",
-        "0",
-        "--cache-len",
-        "64",
-        stdin=f"hello\nworld\n{fox}\nhello\n",
-    )
+    r = cli("--device", "cpu", "--checkpoint", tiny, "--interactive", "--max-new-tokens", "16",
+            "--temperature", "0", "--cache-len", "64", stdin=f"hello\nworld\n{fox}\nhello\n")
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     assert "starting a new conversation" in r.stderr and "error:" not in r.stdout
     assert r.stdout.count("> ") == 5
 
 
 def test_cli_ctrl_c_prints_what_was_generated_and_exits_130(tiny):
-    patch = """
-        calls = []
-        original = generate.TextStream.__call__
-        def pressed(self, rows):
-            original(self, rows)
-            calls.append(1)
-            if len(calls) == 2:
-                raise KeyboardInterrupt
-        generate.TextStream.__call__ = pressed"""
-    args = [
-        "--device",
-        "cpu",
-        "--checkpoint",
-        tiny,
-        "--max-new-tokens",
-        "100",
-        "--check-every",
-        "2",
-        "--temperature",
-        "1",
-        "--seed",
-        "0",
-    ]  # sampled: a random model's greedy text may be all invisible
+    args = ["--device", "cpu", "--checkpoint", tiny, "--max-new-tokens", "100", "--check-every", "2",
+            "--temperature", "1", "--seed", "0"]  # sampled: a random model's greedy text may be all invisible
     full = cli(*args, "--prompt", "hello").stdout
-    r = with_patch(patch, "generate.py", *args, "--prompt", "hello")
+    r = with_patch(CTRL_C_AT_THE_SECOND_CHECK, "generate.py", *args, "--prompt", "hello")
     assert r.returncode == 130 and "Traceback" not in r.stderr, r.stderr
     assert len(r.stdout) > 1 and full.startswith(r.stdout.removesuffix("\n")) and len(r.stdout) < len(full)
-    r = with_patch(patch, "generate.py", *args, "--prompt", "hello", "--prompt", "world")
+    r = with_patch(CTRL_C_AT_THE_SECOND_CHECK, "generate.py", *args, "--prompt", "hello", "--prompt", "world")
     assert r.returncode == 130 and "Traceback" not in r.stderr, r.stderr
     assert r.stdout.startswith("--- hello\n") and "--- world\n" in r.stdout
 
@@ -1188,31 +885,28 @@ def test_cli_downloads_and_converts_the_default_model_on_first_use(tmp_path):
     assert again.returncode == 0 and "downloading" not in again.stderr and again.stdout == r.stdout
 
 
-@pytest.mark.parametrize(
-    "args,message",
-    [
-        (["--temperature", "-1"], "--temperature: must be >= 0"),
-        (["--temperature", "nan"], "--temperature: must be >= 0"),
-        (["--top-p", "0"], "--top-p: must be in (0, 1]"),
-        (["--top-p", "1.5"], "--top-p"),
-        (["--top-k", "-2"], "--top-k: must be >= 0"),
-        (["--prompt", "   "], "empty prompt"),
-        (["--max-new-tokens", "100", "--cache-len", "50"], "over the cache length"),
-        (["--max-new-tokens", "5000"], "over the model's"),
-        (["--cache-len", "-5"], "--cache-len: must be at least 1"),
-        (["--cache-len", "-1"], "--cache-len: must be at least 1"),
-        (["--cache-len", "0"], "--cache-len: must be at least 1"),
-        (["--check-every", "0"], "--check-every: must be at least 1"),
-        (["--max-new-tokens", "x"], "invalid int value"),
-        (["--device", "foo"], "unknown device 'foo'"),
-        (["--cuda-graph"], "needs a CUDA device"),
-        (["--checkpoint", "/nonexistent"], "no converted checkpoint"),
-        (["--prompt-file", "/nonexistent"], "cannot read the prompt file"),
-        (["--system", "be brief"], "go with --chat"),
-        (["--interactive"], "reads its prompts from the terminal"),
-        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
-    ],
-)
+@pytest.mark.parametrize("args,message", [
+    (["--temperature", "-1"], "--temperature: must be >= 0"),
+    (["--temperature", "nan"], "--temperature: must be >= 0"),
+    (["--top-p", "0"], "--top-p: must be in (0, 1]"),
+    (["--top-p", "1.5"], "--top-p"),
+    (["--top-k", "-2"], "--top-k: must be >= 0"),
+    (["--prompt", "   "], "empty prompt"),
+    (["--max-new-tokens", "100", "--cache-len", "50"], "over the cache length"),
+    (["--max-new-tokens", "5000"], "over the model's"),
+    (["--cache-len", "-5"], "--cache-len: must be at least 1"),
+    (["--cache-len", "-1"], "--cache-len: must be at least 1"),
+    (["--cache-len", "0"], "--cache-len: must be at least 1"),
+    (["--check-every", "0"], "--check-every: must be at least 1"),
+    (["--max-new-tokens", "x"], "invalid int value"),
+    (["--device", "foo"], "unknown device 'foo'"),
+    (["--cuda-graph"], "needs a CUDA device"),
+    (["--checkpoint", "/nonexistent"], "no converted checkpoint"),
+    (["--prompt-file", "/nonexistent"], "cannot read the prompt file"),
+    (["--system", "be brief"], "go with --chat"),
+    (["--interactive"], "reads its prompts from the terminal"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+])
 def test_cli_bad_input_one_line(tiny, args, message):
     if "--cuda-graph" in args and CUDA:
         pytest.skip("CUDA is present")
@@ -1225,21 +919,18 @@ def test_cli_bad_input_one_line(tiny, args, message):
 
 def test_cli_bad_files_one_line(tiny, tmp_path):
     """Broken files, each run as a user runs the CLI: exit 1, one 'error:' line, no traceback."""
-
     def broken(name, change):
         path = tmp_path / name
         shutil.copytree(tiny, path)
         change(path)
         return str(path)
-
     def shard(p):
         return next(p.glob("model-*.safetensors"))
     cases = {
         broken("truncated", lambda p: shard(p).write_bytes(shard(p).read_bytes()[:1000])): "cannot be read",
         broken("config", lambda p: (p / "config.json").write_text("{oops")): "not a readable JSON file",
-        broken(
-            "genconfig", lambda p: (p / "generation_config.json").write_text("[1,")
-        ): "not a readable JSON",
+        broken("genconfig",
+               lambda p: (p / "generation_config.json").write_text("[1,")): "not a readable JSON",
         broken("noweights", lambda p: shard(p).unlink()): "no model*.safetensors files",
         str(tmp_path / "hf"): "is a Hugging Face snapshot: convert it first",
     }
@@ -1256,16 +947,13 @@ def test_cli_bad_files_one_line(tiny, tmp_path):
 # ---------------------------------------------------------------- Triton kernels
 
 # The kernel tests run on CUDA, and on the CPU in Triton's interpreter: TRITON_INTERPRET must be set before
-# triton is imported, so test_kernels_in_triton_interpreter runs them in a subprocess with it set.
+# triton # is imported, so test_kernels_in_triton_interpreter runs them in a subprocess with it set.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-in_interpreter = pytest.mark.skipif(
-    not INTERPRETED, reason="runs in test_kernels_in_triton_interpreter's process"
-)
-KERNEL_RUNS = [
-    pytest.param("cpu", torch.float32, 1e-5, marks=in_interpreter, id="interpreter"),
-    pytest.param("cuda", torch.float32, 1e-5, marks=needs_cuda, id="cuda-fp32"),
-    pytest.param("cuda", torch.bfloat16, 2e-2, marks=needs_cuda, id="cuda-bf16"),
-]
+in_interpreter = pytest.mark.skipif(not INTERPRETED,
+                                    reason="runs in test_kernels_in_triton_interpreter's process")
+KERNEL_RUNS = [pytest.param("cpu", torch.float32, 1e-5, marks=in_interpreter, id="interpreter"),
+               pytest.param("cuda", torch.float32, 1e-5, marks=needs_cuda, id="cuda-fp32"),
+               pytest.param("cuda", torch.bfloat16, 2e-2, marks=needs_cuda, id="cuda-bf16")]
 
 
 def assert_close(got, want, tol, what):
@@ -1277,7 +965,7 @@ def assert_close(got, want, tol, what):
 @pytest.mark.parametrize("N,K", [(40, 48), (300, 1100)])  # K above the kernel's block: a ragged last block
 def test_kernel_gemv_matches_reference_ops(device, dtype, tol, N, K):
     torch.manual_seed(0)
-    x, w, res = torch.randn(1, 1, K), torch.randn(N, K) / K**0.5, torch.randn(1, 1, N)
+    x, w, res = torch.randn(1, 1, K), torch.randn(N, K) / K ** 0.5, torch.randn(1, 1, N)
     norm = M.RMSNorm(K, 1e-6)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
@@ -1285,9 +973,8 @@ def test_kernel_gemv_matches_reference_ops(device, dtype, tol, N, K):
     lin = torch.nn.Linear(K, N, bias=False).to(device, dtype)
     lin.weight.data = w
     with torch.no_grad():
-        assert_close(
-            kernels.gemv(x, w, None, norm.weight, 1e-6, False, res), res + lin(norm(x)), tol, "norm+res"
-        )
+        assert_close(kernels.gemv(x, w, None, norm.weight, 1e-6, False, res), res + lin(norm(x)), tol,
+                     "norm+res")
         x2 = torch.randn(1, 1, 2 * K, device=device, dtype=dtype)
         silu = torch.nn.functional.silu(x2[..., :K]) * x2[..., K:]
         assert_close(kernels.gemv(x2, w, gated=True), lin(silu), tol, "gated")
@@ -1297,22 +984,15 @@ def test_kernel_gemv_matches_reference_ops(device, dtype, tol, N, K):
         got = kernels.gemv(x, q8.weight, q8.scale, norm.weight, 1e-6, False, res)
         assert_close(got, res + q8(norm(x)), tol, "int8 norm")
         q8.weight, q8.scale = quantize_int8(w.float() * 3)
-        assert_close(
-            kernels.gemv(x2, q8.weight, q8.scale, gated=True, residual=res),
-            res + q8(silu),
-            tol,
-            "int8 gated+residual",
-        )
+        assert_close(kernels.gemv(x2, q8.weight, q8.scale, gated=True, residual=res), res + q8(silu), tol,
+                     "int8 gated+residual")
     torch.library.opcheck(torch.ops.qwen3_fast.gemv, (x, w, None, norm.weight.detach(), 1e-6, False, res))
 
 
 # GQA 1, 2, 8; queries at the end of, inside and far below the attended prefix (empty splits); cache views of
 # a longer buffer with stale values everywhere, also at the positions being written; first: the first row
-ATTENTION_CASES = [
-    (1, 4, 4, 16, 37, [36], 0),
-    (2, 16, 8, 128, 1500, [1499, 3], 0),
-    (1, 8, 1, 64, 256, [99], 2),
-]
+ATTENTION_CASES = [(1, 4, 4, 16, 37, [36], 0), (2, 16, 8, 128, 1500, [1499, 3], 0),
+                   (1, 8, 1, 64, 256, [99], 2)]
 
 
 @pytest.mark.parametrize("device,dtype,tol", KERNEL_RUNS)
@@ -1336,25 +1016,10 @@ def test_kernel_decode_attention_matches_reference_ops(device, dtype, tol, R, H,
             ref_cache[0][first + r, :, pos[r]], ref_cache[1][first + r, :, pos[r]] = k[r, 0], v[r, 0]
         mask = (torch.arange(L, device=device) <= p[:, None])[:, None, None]
         ref = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            ref_cache[0][first : first + R],
-            ref_cache[1][first : first + R],
-            attn_mask=mask,
-            enable_gqa=True,
-        )[:, :, 0]
-    args = (
-        qkv,
-        cache[0],
-        cache[1],
-        first,
-        p,
-        cos,
-        sin,
-        q_norm.weight.detach(),
-        k_norm.weight.detach(),
-        1e-6,
-        H,
-    )
+            q.transpose(1, 2), ref_cache[0][first:first + R], ref_cache[1][first:first + R], attn_mask=mask,
+            enable_gqa=True)[:, :, 0]
+    args = (qkv, cache[0], cache[1], first, p, cos, sin, q_norm.weight.detach(), k_norm.weight.detach(),
+            1e-6, H)
     assert_close(kernels.decode_attention(*args), ref, tol, "attention")
     assert_close(cache[0], ref_cache[0], tol, "keys written")
     assert_close(cache[1], ref_cache[1], tol, "values written")
@@ -1365,12 +1030,10 @@ def test_kernel_decode_attention_matches_reference_ops(device, dtype, tol, R, H,
 def test_model_with_kernels_matches_reference_ops(tiny, device, dtype, tol):
     """model.py's glue around the kernels (cache views, strides, positions): a batch-1 greedy decode with the
     kernels gives the tokens and caches of one without, across the 256 -> 512 attended length (fp32)."""
-
     def run(use_kernels):
         gen = generator(tiny, capacity=320, device=device, use_kernels=use_kernels)
         tokens = gen.generate([list(range(1, 251))], max_new=12, stop_ids=set())[0][0]
         return tokens, [c for layer in gen.model.layers for c in layer.self_attn.kv_cache.buffers()]
-
     run(False)  # warm-up: the process's first CPU prefill sometimes rounds differently (~1 run in 10)
     ref_tokens, ref_cache = run(False)
     tokens, cache = run(True)
@@ -1380,38 +1043,21 @@ def test_model_with_kernels_matches_reference_ops(tiny, device, dtype, tol):
     prompt = list(range(1, 300))
     forward(model, prompt[:-1])
     ref = forward(model, prompt[-1:], start=len(prompt) - 1)
-    assert torch.allclose(
-        forward(model, prompt[-1:], start=len(prompt) - 1, use_kernels=True), ref, atol=1e-4
-    )
+    assert torch.allclose(forward(model, prompt[-1:], start=len(prompt) - 1, use_kernels=True), ref,
+                          atol=1e-4)
 
 
 def test_kernels_in_triton_interpreter():
     """Runs the kernel tests above on the CPU, in Triton's interpreter (fp32: its bf16 is not exact)."""
     pytest.importorskip("triton")
     if CUDA:
-        pytest.skip(
-            "CUDA is present: the kernel tests run on the GPU instead (Triton 3.6's interpreter fails there)"
-        )
+        pytest.skip("CUDA is present: the kernel tests run on the GPU (Triton 3.6's interpreter fails there)")
     if INTERPRETED:
         pytest.skip("this is the interpreter's process")
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            __file__,
-            "-k",
-            "interpreter and not in_triton_interpreter",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        cwd=HERE,
-    )
+    selected = "interpreter and not in_triton_interpreter"
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", selected]
+    r = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=HERE,
+                       env={**os.environ, "TRITON_INTERPRET": "1"})
     assert r.returncode == 0, r.stdout[-3000:]
     summary = r.stdout.strip().splitlines()[-1]
     assert summary.startswith("6 passed") and "skipped" not in summary, summary

@@ -14,7 +14,6 @@ and every fixed cost; the best of --repeats. The peer is transformers' Qwen3ForC
 with a static cache and torch.compile, greedy (do_sample=False), measured the same way in the same process.
 Every result is one JSON line on stdout.
 """
-
 import argparse
 import gc
 import json
@@ -32,54 +31,18 @@ import generate as G  # noqa: E402
 from model import Int8Linear, ModelArgs, Transformer  # noqa: E402
 
 PRESETS = {  # from the published config.json files; head_dim is 128 in all of them
-    "0.6B": dict(
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        tie_word_embeddings=True,
-    ),
-    "1.7B": dict(
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        tie_word_embeddings=True,
-    ),
-    "4B": dict(
-        hidden_size=2560,
-        intermediate_size=9728,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        tie_word_embeddings=True,
-    ),
-    "8B": dict(
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        tie_word_embeddings=False,
-    ),
-    "14B": dict(
-        hidden_size=5120,
-        intermediate_size=17408,
-        num_hidden_layers=40,
-        num_attention_heads=40,
-        num_key_value_heads=8,
-        tie_word_embeddings=False,
-    ),
-    "32B": dict(
-        hidden_size=5120,
-        intermediate_size=25600,
-        num_hidden_layers=64,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        tie_word_embeddings=False,
-    ),
+    "0.6B": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, tie_word_embeddings=True),
+    "1.7B": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, tie_word_embeddings=True),
+    "4B": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+               num_key_value_heads=8, tie_word_embeddings=True),
+    "8B": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+               num_key_value_heads=8, tie_word_embeddings=False),
+    "14B": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
+                num_key_value_heads=8, tie_word_embeddings=False),
+    "32B": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+                num_key_value_heads=8, tie_word_embeddings=False),
 }
 VOCAB = 151936
 SAMPLED = G.SamplingParams(temperature=0.6, top_k=20, top_p=0.95)  # Qwen3's generation_config.json
@@ -101,7 +64,7 @@ def random_model(size: str, int8: bool) -> Transformer:
 
 def bandwidth() -> float:
     """GB/s read by a sum over 4 GiB: the rate at which a decode step can read its weights at best."""
-    x = torch.empty(2 * 1024**3, dtype=torch.bfloat16, device="cuda").normal_()
+    x = torch.empty(2 * 1024 ** 3, dtype=torch.bfloat16, device="cuda").normal_()
     for _ in range(3):
         x.sum(dtype=torch.float32)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -134,39 +97,22 @@ def decode(a: argparse.Namespace, mode: str) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model = random_model(a.size, a.int8)
-    gen = G.Generator(
-        model,
-        batch=a.batch,
-        capacity=a.cache,
-        sampling=G.SamplingParams() if a.greedy else SAMPLED,
-        use_kernels=not a.no_kernels,
-        compile="compile" in mode,
-        cuda_graph="graph" in mode,
-    )
+    gen = G.Generator(model, batch=a.batch, capacity=a.cache,
+                      sampling=G.SamplingParams() if a.greedy else SAMPLED,
+                      use_kernels=not a.no_kernels, compile="compile" in mode, cuda_graph="graph" in mode)
     prompts = [torch.randint(0, VOCAB, (a.prompt,)).tolist() for _ in range(a.batch)]
     t = time.perf_counter()
     gen.generate(prompts, max_new=2, stop_ids=set())  # one decode step: compiles and captures
     first_step_s = time.perf_counter() - t
     gen.generate(prompts, max_new=a.n2, stop_ids=set())  # warms every attended length the timed runs use
-    rates = rate_from_two_lengths(
-        lambda n: gen.generate(prompts, max_new=n, stop_ids=set()), a.n1, a.n2, a.repeats
-    )
+    rates = rate_from_two_lengths(lambda n: gen.generate(prompts, max_new=n, stop_ids=set()), a.n1, a.n2,
+                                  a.repeats)
     best = max(rates)
-    row = {
-        "size": a.size,
-        "mode": mode,
-        "int8": a.int8,
-        "batch": a.batch,
-        "kernels": not a.no_kernels,
-        "greedy": a.greedy,
-        "decode_tok_s": round(best, 1),
-        "aggregate_tok_s": round(best * a.batch, 1),
-        "all": [round(r, 1) for r in rates],
-        "weights_GB": round(model.weight_bytes() / 1e9, 3),
-        "GB_s": round(best * model.weight_bytes() / 1e9, 1),
-        "first_step_s": round(first_step_s, 1),
-        "peak_memory_GB": round(torch.cuda.max_memory_allocated() / 1e9, 2),
-    }
+    row = {"size": a.size, "mode": mode, "int8": a.int8, "batch": a.batch, "kernels": not a.no_kernels,
+           "greedy": a.greedy, "decode_tok_s": round(best, 1), "aggregate_tok_s": round(best * a.batch, 1),
+           "all": [round(r, 1) for r in rates], "weights_GB": round(model.weight_bytes() / 1e9, 3),
+           "GB_s": round(best * model.weight_bytes() / 1e9, 1), "first_step_s": round(first_step_s, 1),
+           "peak_memory_GB": round(torch.cuda.max_memory_allocated() / 1e9, 2)}
     if a.profile and mode == "graph":
         row["profile"] = profile(gen, best)
     return row
@@ -175,7 +121,7 @@ def decode(a: argparse.Namespace, mode: str) -> dict:
 def profile(gen: G.Generator, tok_s: float) -> list:
     """The kernels of one decode step, timed by torch.profiler without graph replay (us per step), and the
     gaps: the step's time at `tok_s` minus its GPU time."""
-    kv_positions = gen.model.key_positions[: G.attended_length(512, gen.capacity)]
+    kv_positions = gen.model.key_positions[:G.attended_length(512, gen.capacity)]
     with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
             gen.step.step(kv_positions)  # the step that the CUDA graph replays
@@ -185,21 +131,13 @@ def profile(gen: G.Generator, tok_s: float) -> list:
     kernels = sum(e.count for e in events if e.device_time_total > 0) / 10
     top = sorted(events, key=lambda e: -e.device_time_total)[:12]
     return [{"step_us": round(1e6 / tok_s), "gpu_us": round(gpu_us), "kernels": kernels}] + [
-        {"us": round(e.device_time_total / 10, 1), "count": e.count // 10, "name": e.key[:80]} for e in top
-    ]
+        {"us": round(e.device_time_total / 10, 1), "count": e.count // 10, "name": e.key[:80]} for e in top]
 
 
 def peer_model(size: str):
     from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(
-        **PRESETS[size],
-        head_dim=128,
-        vocab_size=VOCAB,
-        max_position_embeddings=40960,
-        rope_theta=1e6,
-        rms_norm_eps=1e-6,
-    )
+    config = Qwen3Config(**PRESETS[size], head_dim=128, vocab_size=VOCAB, max_position_embeddings=40960,
+                         rope_theta=1e6, rms_norm_eps=1e-6)
     torch.manual_seed(0)
     with torch.device("cuda"):
         return Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
@@ -207,30 +145,18 @@ def peer_model(size: str):
 
 def peer_decode(a: argparse.Namespace) -> dict:
     import transformers
-
     model = peer_model(a.size)
     ids = torch.randint(0, VOCAB, (1, a.prompt), device="cuda")
 
     @torch.inference_mode()
     def run(n):
-        model.generate(
-            ids,
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            pad_token_id=0,
-            cache_implementation="static",
-        )
-
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+                       cache_implementation="static")
     for _ in range(2):  # compilation, autotuning, graph capture
         run(a.n2)
     rates = rate_from_two_lengths(run, a.n1, a.n2, a.repeats)
-    return {
-        "size": a.size,
-        "peer": f"transformers {transformers.__version__} static cache + compile, greedy",
-        "decode_tok_s": round(max(rates), 1),
-        "all": [round(r, 1) for r in rates],
-    }
+    return {"size": a.size, "peer": f"transformers {transformers.__version__} static cache + compile, greedy",
+            "decode_tok_s": round(max(rates), 1), "all": [round(r, 1) for r in rates]}
 
 
 def ttft(a: argparse.Namespace) -> list:
@@ -253,14 +179,8 @@ def ttft(a: argparse.Namespace) -> list:
                 peer.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=0)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
-        rows.append(
-            {
-                "size": a.size,
-                "prompt": a.prompt,
-                "peer": "transformers generate(max_new_tokens=1)",
-                "ttft_ms": round(min(times[1:]) * 1e3, 1),
-            }
-        )
+        rows.append({"size": a.size, "prompt": a.prompt, "peer": "transformers generate(max_new_tokens=1)",
+                     "ttft_ms": round(min(times[1:]) * 1e3, 1)})
     return rows
 
 
@@ -270,43 +190,20 @@ def first_text(a: argparse.Namespace) -> list:
     rows = []
     for flags in (["--compile"], ["--cuda-graph"], ["--compile", "--cuda-graph"]):
         caches = tempfile.mkdtemp()
-        env = {
-            **os.environ,
-            "TORCHINDUCTOR_CACHE_DIR": f"{caches}/inductor",
-            "TRITON_CACHE_DIR": f"{caches}/triton",
-        }
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": f"{caches}/inductor",
+               "TRITON_CACHE_DIR": f"{caches}/triton"}
         for run in ("cold", "warm"):
-            command = [
-                sys.executable,
-                "generate.py",
-                "--checkpoint",
-                a.checkpoint,
-                "--prompt",
-                "Hello, my name is",
-                "--max-new-tokens",
-                "64",
-                *flags,
-            ]
+            command = [sys.executable, "generate.py", "--checkpoint", a.checkpoint, "--prompt",
+                       "Hello, my name is",
+                       "--max-new-tokens", "64", *flags]
             t = time.perf_counter()
-            process = subprocess.Popen(
-                command,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                env=env,
-                cwd=pathlib.Path(__file__).resolve().parent.parent,
-            )
+            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                                       cwd=pathlib.Path(__file__).resolve().parent.parent)
             process.stdout.read(1)
             first = time.perf_counter() - t
             _, err = process.communicate()
-            rows.append(
-                {
-                    "flags": " ".join(flags),
-                    "run": run,
-                    "first_text_s": round(first, 1),
-                    "total_s": round(time.perf_counter() - t, 1),
-                    "report": err.decode().strip()[-300:],
-                }
-            )
+            rows.append({"flags": " ".join(flags), "run": run, "first_text_s": round(first, 1),
+                         "total_s": round(time.perf_counter() - t, 1), "report": err.decode().strip()[-300:]})
     return rows
 
 
@@ -314,9 +211,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("what", choices=["decode", "ttft", "first-text", "bandwidth"])
     ap.add_argument("--size", default="0.6B", choices=list(PRESETS))
-    ap.add_argument(
-        "--modes", default="compile+graph", help="comma-separated: eager, graph, compile, compile+graph"
-    )
+    ap.add_argument("--modes", default="compile+graph",
+                    help="comma-separated: eager, graph, compile, compile+graph")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--cache", type=int, default=1024, help="KV cache positions")
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens")
