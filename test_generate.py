@@ -490,7 +490,7 @@ def test_convert_repo_downloads_first(tmp_path):
     one_line_error(offline, "cannot download Qwen/Qwen3-tiny (LocalEntryNotFoundError")
 
 
-# ---------------------------------------------------------------- int8 weight-only quantization
+# ---------------------------------------------------------------- converter: int8 weight-only quantization
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_int8_quality_against_fp32(tmp_path, tied):
