@@ -166,6 +166,8 @@ def main(argv=None):
         convert(a.checkpoint_dir, out, a.int8, a.shard_size_mb << 20)
     except UserError as e:
         sys.exit(f"error: {e}")
+    except OSError as e:  # a full disk, say: the partial output is removed already
+        sys.exit(f"error: {e}")
     except KeyboardInterrupt:
         print("interrupted: nothing was written", file=sys.stderr)
         sys.exit(130)
