@@ -860,6 +860,40 @@ def test_cli_interactive_ctrl_c_stops_a_reply_and_a_full_cache_starts_over(tiny)
     assert r.stdout.count("> ") == 5
 
 
+def test_interactive_reply_after_ctrl_c_continues_the_conversation(tiny, monkeypatch):
+    """The turn after a reply stopped by Ctrl-C sees the conversation as it was shown: the same greedy tokens
+    as prefilling turn 1, the partial reply and turn 2 from scratch."""
+    turns = iter(["hello", "world"])
+
+    def typed(prompt):  # two turns, then Ctrl-D
+        try:
+            return next(turns)
+        except StopIteration:
+            raise EOFError from None
+    monkeypatch.setattr("builtins.input", typed)
+    shown, checks = [], []
+    original_call, original_finish = G.TextStream.__call__, G.TextStream.finish
+
+    def pressed(self, rows):
+        original_call(self, rows)
+        checks.append(1)
+        if len(checks) == 2:  # in the first reply
+            raise KeyboardInterrupt
+
+    def finish(self):
+        shown.append(self.rows[0])
+        original_finish(self)
+    monkeypatch.setattr(G.TextStream, "__call__", pressed)
+    monkeypatch.setattr(G.TextStream, "finish", finish)
+    G.main(["--device", "cpu", "--checkpoint", tiny, "--interactive", "--max-new-tokens", "12",
+            "--check-every", "2", "--temperature", "0"])
+    assert len(shown) == 2 and 0 < len(shown[0]) < 12  # the first reply really was cut short
+    encode, _ = G.load_tokenizer(tiny)
+    eos = json.load(open(os.path.join(tiny, "generation_config.json")))["eos_token_id"]
+    conversation = encode(G.chat_turn("hello")) + shown[0] + encode("<|im_end|>\n" + G.chat_turn("world"))
+    assert shown[1] == greedy(tiny, [conversation], max_new=12, stop_ids=eos)[0]
+
+
 def test_cli_ctrl_c_prints_what_was_generated_and_exits_130(tiny):
     args = ["--device", "cpu", "--checkpoint", tiny, "--max-new-tokens", "100", "--check-every", "2",
             "--temperature", "1", "--seed", "0"]  # sampled: a random model's greedy text may be all invisible
