@@ -79,9 +79,7 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
     if out.exists() and (not out.is_dir() or any(out.iterdir())):  # the source, ".", an old conversion...
         raise UserError(f"--output {out} exists: choose a new or empty directory (nothing is replaced)")
     with torch.device("meta"):
-        expected = Transformer(args).state_dict()
-    if args.tie_word_embeddings:
-        del expected["lm_head.weight"]  # the embedding serves as lm_head
+        expected = Transformer(args).checkpoint_tensors()
     sources: dict[str, dict[int, tuple[str, str]]] = {}  # our name -> {part: (file, hf name)}
     for hf_name, file in list_tensors(src).items():
         name, part = map_name(hf_name)

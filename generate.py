@@ -47,12 +47,14 @@ def resolve_sampling(a: argparse.Namespace, generation_config: dict) -> Sampling
 def sample(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Next ids (R,) from logits (R, V) without a host sync. Greedy at temperature 0; otherwise Gumbel-max:
     argmax(logits/T + g) with g ~ Gumbel(0, 1) is an exact draw from softmax(logits/T). top-k and top-p keep
-    static shapes: the candidates come from topk (a full sort when top_k is 0), the rest masked out."""
+    static shapes: the candidates come from topk (a full sort for top-p alone), the rest masked out."""
     if params.temperature == 0:
         return logits.argmax(-1)
+    scores = logits.float() / params.temperature
     vocab = logits.shape[-1]
-    k = params.top_k if 0 < params.top_k < vocab else vocab
-    scores, ids = (logits.float() / params.temperature).topk(k)  # sorted, largest first
+    if not (0 < params.top_k < vocab or params.top_p < 1):  # nothing to filter: no sort
+        return (scores - torch.log(-torch.log(torch.rand_like(scores)))).argmax(-1)
+    scores, ids = scores.topk(params.top_k if 0 < params.top_k < vocab else vocab)  # sorted, largest first
     if params.top_p < 1:  # keep the smallest head whose mass reaches top_p (the first candidate always stays)
         probs = scores.softmax(-1)
         scores = scores.masked_fill(probs.cumsum(-1) - probs >= params.top_p, float("-inf"))

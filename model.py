@@ -90,9 +90,7 @@ def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def linear(args: ModelArgs, n_in: int, n_out: int) -> nn.Module:
-    if args.quantization == "int8":
-        return Int8Linear(n_in, n_out)
-    return nn.Linear(n_in, n_out, bias=False)
+    return Int8Linear(n_in, n_out) if args.quantization == "int8" else nn.Linear(n_in, n_out, bias=False)
 
 
 def project(proj: nn.Module, x: Tensor, *, fused: bool, norm: RMSNorm | None = None, gated: bool = False,
@@ -109,9 +107,7 @@ def project(proj: nn.Module, x: Tensor, *, fused: bool, norm: RMSNorm | None = N
     if gated:
         gate, up = x.chunk(2, dim=-1)
         x = F.silu(gate) * up
-    if residual is None:
-        return proj(x)
-    return residual + proj(x)
+    return proj(x) if residual is None else residual + proj(x)
 
 
 class StaticKVCache(nn.Module):
@@ -263,6 +259,13 @@ class Transformer(nn.Module):
             x = x[:, -1:]
         return project(self.lm_head, x, norm=self.norm, fused=fused)
 
+    def checkpoint_tensors(self) -> dict[str, Tensor]:
+        """What a converted checkpoint holds: the state but a tied lm_head, which is the embedding."""
+        state = self.state_dict()
+        if self.args.tie_word_embeddings:
+            del state["lm_head.weight"]
+        return state
+
     def weight_bytes(self) -> int:
         """Bytes a decode step reads from the weights: all of them but the embedding, unless lm_head is it."""
         tensors = {t.data_ptr(): t for name, t in self.state_dict().items()
@@ -294,9 +297,7 @@ class Transformer(nn.Module):
         state = {name: t if t.dtype == torch.int8 else t.to(dtype) for name, t in state.items()}
         with torch.device("meta"):
             model = cls(args)
-        expected = {name: t.shape for name, t in model.state_dict().items()}
-        if args.tie_word_embeddings:
-            del expected["lm_head.weight"]  # the embedding serves as lm_head
+        expected = {name: t.shape for name, t in model.checkpoint_tensors().items()}
         found = {name: t.shape for name, t in state.items()}
         mismatched = sorted(n for n in expected.keys() | found.keys() if expected.get(n) != found.get(n))
         if mismatched:
