@@ -1,4 +1,5 @@
-"""Converts a Hugging Face Qwen3 snapshot into qwen3-fast weights (fused qkv and gate-up, safetensors).
+"""Converts a Hugging Face Qwen3 or Qwen3-MoE snapshot into qwen3-fast weights (fused qkv and gate-up, each
+MoE layer's experts stacked; safetensors).
 
     python convert_hf_checkpoint.py --repo Qwen/Qwen3-0.6B                         # downloads it first
     python convert_hf_checkpoint.py --checkpoint-dir checkpoints/Qwen/Qwen3-8B     # writes .../converted
@@ -15,7 +16,6 @@ import os
 import pathlib
 import shutil
 import sys
-from collections import Counter
 
 import torch
 from safetensors import safe_open
@@ -23,20 +23,20 @@ from safetensors.torch import save_file
 
 from model import ModelArgs, Transformer, UserError, quantize_int8, read_json
 
-FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-N_PARTS = Counter(fused for fused, _ in FUSED.values())
+FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 COPIED = ["tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
           "generation_config.json"]
 
 
-def map_name(hf_name: str) -> tuple[str, int]:
-    """A Hugging Face tensor name -> (our name, its index among the parts of a fused tensor)."""
-    parts = hf_name.removeprefix("model.").split(".")
-    if len(parts) == 1:
-        return hf_name, 0
-    parts[-2], index = FUSED.get(parts[-2], (parts[-2], 0))
-    return ".".join(parts), index
+def hf_names(name: str, experts: int) -> list[str]:
+    """The Hugging Face tensors that make our tensor `name`, in the order they are concatenated: q, k, v;
+    gate, up; and with `experts` (a MoE layer's stacked tensors), every expert's in turn."""
+    if name == "lm_head.weight":
+        return [name]
+    *module, projection, leaf = f"model.{name}".split(".")
+    owner = ".".join(module)
+    owners = [f"{owner}.experts.{e}" for e in range(experts)] if experts else [owner]
+    return [f"{owner}.{part}.{leaf}" for owner in owners for part in FUSED.get(projection, [projection])]
 
 
 def read_tensor(file: str, name: str) -> torch.Tensor:
@@ -80,14 +80,12 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
         raise UserError(f"--output {out} exists: choose a new or empty directory (nothing is replaced)")
     with torch.device("meta"):
         expected = Transformer(args).checkpoint_tensors()
-    sources: dict[str, dict[int, tuple[str, str]]] = {}  # our name -> {part: (file, hf name)}
-    for hf_name, file in list_tensors(src).items():
-        name, part = map_name(hf_name)
-        if name == "lm_head.weight" and args.tie_word_embeddings:
-            continue
-        if name not in expected:
-            raise UserError(f"{file}: tensor {hf_name} has no place in a Qwen3 model")
-        sources.setdefault(name, {})[part] = (file, hf_name)
+    sources = {name: hf_names(name, meta.shape[0] if meta.dim() == 3 else 0)
+               for name, meta in expected.items() if not name.endswith(".scale")}  # scales: from the weights
+    files = list_tensors(src)
+    unknown = files.keys() - {hf for names in sources.values() for hf in names} - {"lm_head.weight"}
+    if unknown:
+        raise UserError(f"{files[min(unknown)]}: tensor {min(unknown)} has no place in a Qwen3 model")
     tmp = out.with_name(f".converting-{out.name}-{os.getpid()}")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -98,17 +96,22 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
         shard = {}
         size = 0
         n_shards = 0
-        for name, meta in expected.items():
-            if name.endswith(".scale") and name.removesuffix(".scale") + ".weight" in expected:
-                continue  # written with its weight
-            n_parts = N_PARTS.get(name.split(".")[-2], 1)
-            parts = sources.get(name, {})
-            if sorted(parts) != list(range(n_parts)):
-                raise UserError(f"{src}: the checkpoint lacks {name} (or one of the tensors fused into it)")
-            w = torch.cat([read_tensor(*parts[i]) for i in range(n_parts)])
-            if w.shape != meta.shape:
+        for name, parts in sources.items():
+            missing = [hf for hf in parts if hf not in files]
+            if missing:
+                raise UserError(f"{src}: the checkpoint lacks {missing[0]}")
+            tensors = [read_tensor(files[hf], hf) for hf in parts]
+            meta = expected[name]
+            part_shape = (meta.numel() // meta.shape[-1] // len(parts), meta.shape[-1])  # an expert's part
+            wrong = [hf for hf, t in zip(parts, tensors, strict=True) if t.shape != part_shape]
+            if meta.dim() == 3 and wrong:
+                raise UserError(f"{files[wrong[0]]}: {wrong[0]} does not have the shape {part_shape} that "
+                                "config.json implies")
+            w = torch.cat(tensors)  # experts: (experts x rows, columns)
+            if w.numel() != meta.numel() or w.shape[-1] != meta.shape[-1]:
                 raise UserError(f"{src}: {name} has shape {tuple(w.shape)}; config.json implies "
                                 f"{tuple(meta.shape)}")
+            w = w.view(meta.shape)
             scale_name = name.removesuffix(".weight") + ".scale"
             if scale_name in expected:
                 w, shard[scale_name] = quantize_int8(w)

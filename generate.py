@@ -8,7 +8,6 @@ stop tokens every --check-every steps with one sync.
     python generate.py --compile --interactive
 """
 import argparse
-import json
 import logging
 import math
 import pathlib
@@ -70,11 +69,8 @@ class DecodeState:
         self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)  # and its position
         self.out = torch.zeros(batch, capacity, dtype=torch.long, device=device)  # the tokens generated
         self.step = torch.zeros(1, dtype=torch.long, device=device)  # the column of `out` the next goes to
-        for t in self.tensors():  # lets cudagraph trees keep them as graph inputs instead of copying them
+        for t in (self.tokens, self.positions, self.out, self.step):  # cudagraph trees: inputs, not copies
             torch._dynamo.mark_static_address(t)
-
-    def tensors(self):
-        return self.tokens, self.positions, self.out, self.step
 
 
 def decode_one_token(model: Transformer, state: DecodeState, kv_positions: torch.Tensor,
@@ -91,33 +87,23 @@ def decode_one_token(model: Transformer, state: DecodeState, kv_positions: torch
 class CUDAGraphStep:
     """Replays a decode step as a manually captured CUDA graph, one graph per attended cache length."""
 
-    def __init__(self, step, state: DecodeState):
+    def __init__(self, step):
         self.step = step
-        self.state = state
         self.graphs = {}
         self.pool = torch.cuda.graph_pool_handle()  # shared by every graph: one set of intermediate buffers
 
     def __call__(self, kv_positions: torch.Tensor) -> None:
         length = kv_positions.shape[0]
-        if length not in self.graphs:
-            saved = [t.clone() for t in self.state.tensors()]
-            rng = torch.cuda.get_rng_state()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up off the capture: lazy init, compilation, autotuning
-                for _ in range(3):
-                    self.step(kv_positions)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.step(kv_positions)
-            # Warm-up advanced the state and the RNG: restore them. Its cache writes sit at positions that the
-            # real steps write again before they read them.
-            for t, s in zip(self.state.tensors(), saved, strict=True):
-                t.copy_(s)
-            torch.cuda.set_rng_state(rng)
-            self.graphs[length] = graph
-        self.graphs[length].replay()
+        if length in self.graphs:
+            self.graphs[length].replay()
+            return
+        # A new length: this call's step runs eagerly, which also does what capture must not (lazy
+        # initialisation, compilation), and is then captured without running for the next calls to replay.
+        self.step(kv_positions)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.step(kv_positions)
+        self.graphs[length] = graph
 
 
 def attended_length(needed: int, capacity: int) -> int:
@@ -152,7 +138,7 @@ class Generator:
         if compile:  # the manual graph replaces cudagraph trees when both are asked for
             mode = None if cuda_graph else "reduce-overhead"
             step = torch.compile(step, mode=mode, fullgraph=True)
-        self.step = CUDAGraphStep(step, self.state) if cuda_graph else step
+        self.step = CUDAGraphStep(step) if cuda_graph else step
 
     def decode_step(self, needed: int) -> None:
         """One step for every row; the rows' positions so far fit in the first `needed` of the cache."""
@@ -209,17 +195,14 @@ class Generator:
 
 
 def load_tokenizer(path: str):
-    """(encode, decode) from tokenizer.json (tokenizers) or tokenizer.model (sentencepiece); Qwen3: no BOS."""
-    if pathlib.Path(path, "tokenizer.json").is_file():
-        from tokenizers import Tokenizer
-        tok = Tokenizer.from_file(str(pathlib.Path(path, "tokenizer.json")))
-        return (lambda s: tok.encode(s, add_special_tokens=False).ids,
-                lambda ids: tok.decode(ids, skip_special_tokens=False))
-    if pathlib.Path(path, "tokenizer.model").is_file():
-        import sentencepiece
-        sp = sentencepiece.SentencePieceProcessor(model_file=str(pathlib.Path(path, "tokenizer.model")))
-        return sp.encode, sp.decode
-    raise UserError(f"{path}: no tokenizer.json or tokenizer.model")
+    """(encode, decode) from the checkpoint's tokenizer.json; Qwen3 adds no BOS."""
+    from tokenizers import Tokenizer
+    file = pathlib.Path(path, "tokenizer.json")
+    if not file.is_file():
+        raise UserError(f"{path}: no tokenizer.json; copy it from the Hugging Face snapshot")
+    tok = Tokenizer.from_file(str(file))
+    return (lambda s: tok.encode(s, add_special_tokens=False).ids,
+            lambda ids: tok.decode(ids, skip_special_tokens=False))
 
 
 class TextStream:
@@ -288,7 +271,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: bf16 on CUDA, fp32")
     g = ap.add_argument_group("prompt")
     g.add_argument("--prompt", action="append", help="repeat it for a batch: one cache row per prompt")
-    g.add_argument("--prompt-file", help="one prompt per line (UTF-8), decoded together as a batch")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in Qwen3's chat template")
     g.add_argument("--system", help="system message for --chat")
     g.add_argument("--no-think", action="store_true", help="with --chat: answer without a thinking block")
@@ -306,7 +288,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--check-every", type=POSITIVE, default=16, help="decode steps between stop checks")
     g.add_argument("--cache-len", type=POSITIVE, help="KV cache positions (default: prompt + max new tokens; "
                    "8192 with --interactive)")
-    g.add_argument("--json", action="store_true", help="the report as one JSON line instead of a sentence")
     a = ap.parse_args(argv)
     if not re.fullmatch(r"cpu|cuda(:\d+)?", a.device):
         raise UserError(f"unknown device {a.device!r}: use cpu, cuda or cuda:N")
@@ -315,24 +296,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.device = torch.device(a.device)
     if a.cuda_graph and a.device.type != "cuda":
         raise UserError("--cuda-graph needs a CUDA device")
-    if a.interactive and (a.prompt or a.prompt_file):
-        raise UserError("--interactive reads its prompts from the terminal: drop --prompt and --prompt-file")
+    if a.interactive and a.prompt:
+        raise UserError("--interactive reads its prompts from the terminal: drop --prompt")
     if (a.system or a.no_think) and not (a.chat or a.interactive):
         raise UserError("--system and --no-think go with --chat or --interactive")
     return a
-
-
-def read_prompts(a: argparse.Namespace) -> list[str]:
-    texts = list(a.prompt or [])
-    if a.prompt_file:
-        try:
-            lines = pathlib.Path(a.prompt_file).read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as e:
-            raise UserError(f"cannot read the prompt file {a.prompt_file} as UTF-8 text ({e})") from None
-        texts += [line for line in lines if line.strip()]
-    if not texts or not all(text.strip() for text in texts):
-        raise UserError("empty prompt: give --prompt TEXT or --prompt-file FILE")
-    return texts
 
 
 def main(argv=None):
@@ -349,7 +317,9 @@ def run(a: argparse.Namespace) -> None:
         torch.manual_seed(a.seed)
     if a.compile and a.device.type == "cpu":  # a CUDA build of torch warns that it finds no GPU: we know
         logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
-    texts = [] if a.interactive else read_prompts(a)
+    texts = a.prompt or []
+    if not a.interactive and not (texts and all(text.strip() for text in texts)):
+        raise UserError("empty prompt: give --prompt TEXT")
     if a.checkpoint == DEFAULT_CHECKPOINT and not pathlib.Path(a.checkpoint).exists():
         convert(download(DEFAULT_REPO), DEFAULT_CHECKPOINT)
     print(f"loading {a.checkpoint} ...", file=sys.stderr, flush=True)
@@ -389,14 +359,10 @@ def report(stats: GenerationStats, model: Transformer, rows: list[list[int]], a:
         peak = torch.cuda.max_memory_allocated()
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux counts kB
-    numbers = {**asdict(stats), "new_tokens": sum(map(len, rows)), "rows": len(rows), "decode_tok_s": rate,
-               "weights_GB_s": rate * model.weight_bytes() / 1e9, "peak_memory_GB": peak / 1e9}
-    if a.json:
-        return json.dumps(numbers)
-    return (f"{numbers['new_tokens']} new tokens. Time to first token {stats.prefill_s:.3f} s; the first "
+    return (f"{sum(map(len, rows))} new tokens. Time to first token {stats.prefill_s:.3f} s; the first "
             f"decode step {stats.first_step_s:.2f} s (compilation and graph capture happen there); then "
-            f"{rate:.1f} tok/s per row, {numbers['weights_GB_s']:.0f} GB/s of weights. Peak memory "
-            f"{numbers['peak_memory_GB']:.2f} GB.")
+            f"{rate:.1f} tok/s per row, {rate * model.weight_bytes() / 1e9:.0f} GB/s of weights. Peak memory "
+            f"{peak / 1e9:.2f} GB.")
 
 
 def chat(gen: Generator, a: argparse.Namespace, encode, decode, stop_ids: set) -> None:

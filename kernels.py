@@ -19,40 +19,80 @@ AVAILABLE = triton is not None
 
 if triton is not None:
     @triton.jit
-    def _gemv(x, w, scale, norm, res, out, N, K, eps: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
-              SCALE: tl.constexpr, RES: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PACK: tl.constexpr):
-        # out[n] = res[n] + scale[n] * sum_k w[n, k] * a[k], a = x * norm / rms(x) or silu(x[:K]) * x[K:].
+    def _route(router, EXPERTS: tl.constexpr, TOP_K: tl.constexpr, NORM_TOPK: tl.constexpr,
+               EB: tl.constexpr, KB: tl.constexpr):
+        # The picks of a MoE router from its logits, as MoE.forward makes them: softmax in fp32, the TOP_K
+        # most probable experts, renormalised to sum 1 with NORM_TOPK. Returns (ids, weights): vectors of KB
+        # (TOP_K rounded up to a power of two), pick i at index i.
+        e = tl.arange(0, EB)
+        p = tl.load(router + e, mask=e < EXPERTS, other=float("-inf")).to(tl.float32)
+        p = tl.exp(p - tl.max(p, axis=0))
+        p = p / tl.sum(p, axis=0)
+        rank = tl.arange(0, KB)
+        ids = tl.zeros([KB], tl.int32)
+        weights = tl.zeros([KB], tl.float32)
+        for i in tl.static_range(TOP_K):
+            best = tl.argmax(p, axis=0)
+            ids = tl.where(rank == i, best, ids)
+            weights = tl.where(rank == i, tl.max(p, axis=0), weights)
+            p = tl.where(e == best, -1.0, p)
+        if NORM_TOPK:
+            weights = weights / tl.sum(weights, axis=0)
+        return ids, weights
+
+    @triton.jit
+    def _gemv(x, w, scale, norm, res, out, router, N, K, x_row, eps: tl.constexpr, NORM: tl.constexpr,
+              GATED: tl.constexpr, SCALE: tl.constexpr, RES: tl.constexpr, EXPERTS: tl.constexpr,
+              TOP_K: tl.constexpr, NORM_TOPK: tl.constexpr, ROUTED: tl.constexpr, TERMS: tl.constexpr,
+              EB: tl.constexpr, KB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PACK: tl.constexpr):
+        # out[j, n] = res[n] + scale[n] * sum_k w[n, k] * a[k], a = x * norm / rms(x) or silu(x[:K]) * x[K:].
+        # MoE: w and scale hold EXPERTS experts, of which the router's logits pick TOP_K, and output j uses
+        # pick j; or, ROUTED, one output sums the picks', each of its own input row x[t], by routing weight.
         # int8 weights come as int32 words of PACK = 4 bytes, and integer operations make each byte fp32 (the
         # float bits 0x4B000000 | byte ^ 0x80 are 2^23 + 128 + its value): a conversion instruction per byte
         # would be the limit.
         n = tl.program_id(0) * BN + tl.arange(0, BN)
+        j = tl.program_id(1)
         KW = K // PACK  # weight words per row
-        acc, squares = tl.zeros([BN, BK], tl.float32), tl.zeros([BK], tl.float32)
-        for k0 in range(0, KW, BK):
-            words = k0 + tl.arange(0, BK)
-            wmask = (n[:, None] < N) & (words[None, :] < KW)
-            wt = tl.load(w + n[:, None] * KW + words[None, :], mask=wmask, other=0)
-            for i in tl.static_range(PACK):
-                k = words * PACK + i
-                a = tl.load(x + k, mask=k < K, other=0.0).to(tl.float32)
-                if GATED:
-                    a = a * tl.sigmoid(a) * tl.load(x + K + k, mask=k < K, other=0.0).to(tl.float32)
-                if NORM:  # the 1/rms factor is applied at the end: it scales every output alike
-                    squares += a * a
-                    a = a * tl.load(norm + k, mask=k < K, other=0.0).to(tl.float32)
-                if PACK == 4:
-                    wi = (((wt >> 8 * i) & 0xFF) ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
-                else:
-                    wi = wt.to(tl.float32)
-                acc += wi * a[None, :]
-        y = tl.sum(acc, axis=1)
-        if NORM:
-            y = y * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
-        if SCALE:
-            y = y * tl.load(scale + n, mask=n < N, other=0.0).to(tl.float32)
+        y = tl.zeros([BN], tl.float32)
+        expert = 0
+        if EXPERTS:
+            ids, weights = _route(router, EXPERTS, TOP_K, NORM_TOPK, EB, KB)
+        for t in tl.static_range(TERMS):  # TOP_K picks when ROUTED, else 1; unrolled: their loads overlap
+            if EXPERTS:
+                pick = tl.arange(0, KB) == j + t
+                expert = tl.sum(tl.where(pick, ids, 0), axis=0)
+            xt = x + t * x_row
+            wt_rows = w + expert * N * KW
+            acc, squares = tl.zeros([BN, BK], tl.float32), tl.zeros([BK], tl.float32)
+            for k0 in range(0, KW, BK):
+                words = k0 + tl.arange(0, BK)
+                wmask = (n[:, None] < N) & (words[None, :] < KW)
+                wt = tl.load(wt_rows + n[:, None] * KW + words[None, :], mask=wmask, other=0)
+                for i in tl.static_range(PACK):
+                    k = words * PACK + i
+                    a = tl.load(xt + k, mask=k < K, other=0.0).to(tl.float32)
+                    if GATED:
+                        a = a * tl.sigmoid(a) * tl.load(xt + K + k, mask=k < K, other=0.0).to(tl.float32)
+                    if NORM:  # the 1/rms factor is applied at the end: it scales every output alike
+                        squares += a * a
+                        a = a * tl.load(norm + k, mask=k < K, other=0.0).to(tl.float32)
+                    if PACK == 4:
+                        wi = (((wt >> 8 * i) & 0xFF) ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+                    else:
+                        wi = wt.to(tl.float32)
+                    acc += wi * a[None, :]
+            yt = tl.sum(acc, axis=1)
+            if NORM:
+                yt = yt * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+            if SCALE:
+                yt = yt * tl.load(scale + expert * N + n, mask=n < N, other=0.0).to(tl.float32)
+            if ROUTED:
+                yt = yt * tl.sum(tl.where(pick, weights, 0.0), axis=0)
+            y += yt
         if RES:
             y = y + tl.load(res + n, mask=n < N, other=0.0).to(tl.float32)
-        tl.store(out + n, y.to(out.dtype.element_ty), mask=n < N)
+        tl.store(out + j * N + n, y.to(out.dtype.element_ty), mask=n < N)
 
     @triton.jit
     def _norm_rope(x, rows, rowmask, w, cos, sin, eps, HEAD_DIM: tl.constexpr, D: tl.constexpr):
@@ -156,21 +196,38 @@ GEMV_CONFIGS = {  # BN: weight rows per program, BK: weight words per block
     ("norm", "int8"): dict(BN=16, BK=128, num_warps=4),
     ("gated", "int8"): dict(BN=8, BK=512, num_warps=8),
     ("plain", "int8"): dict(BN=8, BK=512, num_warps=4),
+    ("picked", "float"): dict(BN=16, BK=256, num_warps=2),  # MoE gate-up, 30B-A3B's shapes
+    ("routed", "float"): dict(BN=8, BK=256, num_warps=4),  # MoE down
+    ("picked", "int8"): dict(BN=32, BK=128, num_warps=4),
+    ("routed", "int8"): dict(BN=8, BK=256, num_warps=4),
 }
 
 
 # Custom ops: torch.compile calls them as they are, instead of analysing the kernels at each of their call
 # sites (five a layer), which would be most of its compile time.
+def gemv_shape(x: Tensor, weight: Tensor, router: Tensor | None, top_k: int, routed: bool) -> list[int]:
+    if router is None:
+        return [*x.shape[:-1], weight.shape[-2]]
+    if routed:
+        return [1, 1, weight.shape[-2]]
+    return [top_k, weight.shape[-2]]
+
+
 @torch.library.custom_op("qwen3_fast::gemv", mutates_args=())
 def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | None = None, eps: float = 0.0,
-         gated: bool = False, residual: Tensor | None = None) -> Tensor:
-    """residual + (weight @ a) * scale for one token x, where a is RMSNorm(x) * norm with `norm`, silu(gate) *
-    up of x = [gate, up] with `gated`, else x. weight (N, K) in x's dtype, or int8 (K a multiple of 4) with a
-    `scale` per row."""
-    N, K = weight.shape
-    out = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
+         gated: bool = False, residual: Tensor | None = None, router: Tensor | None = None, top_k: int = 0,
+         norm_topk_prob: bool = False, routed: bool = False) -> Tensor:
+    """residual + (weight @ a) * scale for one token x (1, 1, K), where a is RMSNorm(x) * norm with `norm`,
+    silu(gate) * up of x = [gate, up] with `gated`, else x. weight (N, K) in x's dtype, or int8 (K a multiple
+    of 4) with a `scale` per row. MoE: weight (experts, N, K), and the `router` logits (experts,) pick top_k
+    of them (see MoE.route): (top_k, N), one output per pick; or, `routed`, with x (top_k, K), the picks'
+    sum weighted by their routing weights (1, 1, N)."""
+    N, K = weight.shape[-2:]
+    out = x.new_empty(gemv_shape(x, weight, router, top_k, routed))
     int8 = weight.dtype == torch.int8
-    if norm is not None:
+    if router is not None:
+        fused_input = "routed" if routed else "picked"
+    elif norm is not None:
         fused_input = "norm"
     elif gated:
         fused_input = "gated"
@@ -179,14 +236,23 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | 
     config = GEMV_CONFIGS[fused_input, "int8" if int8 else "float"]
     words = weight.view(torch.int32) if int8 else weight  # an int32 word holds 4 int8 weights
     unused = x  # the kernel needs some pointer for the arguments it doesn't read
-    _gemv[(triton.cdiv(N, config["BN"]),)](
+    experts = 0 if router is None else router.shape[-1]
+    routing = dict(EXPERTS=experts, TOP_K=top_k, NORM_TOPK=norm_topk_prob, ROUTED=routed,
+                   TERMS=top_k if routed else 1, EB=triton.next_power_of_2(max(experts, 1)),
+                   KB=triton.next_power_of_2(max(top_k, 1)))
+    outputs = top_k if experts and not routed else 1
+    _gemv[(triton.cdiv(N, config["BN"]), outputs)](
         x, words, unused if scale is None else scale, unused if norm is None else norm,
-        unused if residual is None else residual, out, N, K, eps, NORM=norm is not None, GATED=gated,
-        SCALE=scale is not None, RES=residual is not None, PACK=4 if int8 else 1, **config)
+        unused if residual is None else residual, out, unused if router is None else router, N, K,
+        x.shape[-1], eps, NORM=norm is not None, GATED=gated, SCALE=scale is not None,
+        RES=residual is not None, PACK=4 if int8 else 1, **routing, **config)
     return out
 
 
-gemv.register_fake(lambda x, weight, *args, **kwargs: x.new_empty(*x.shape[:-1], weight.shape[0]))
+@gemv.register_fake
+def _(x, weight, scale=None, norm=None, eps=0.0, gated=False, residual=None, router=None, top_k=0,
+      norm_topk_prob=False, routed=False):
+    return x.new_empty(gemv_shape(x, weight, router, top_k, routed))
 
 
 @torch.library.custom_op("qwen3_fast::decode_attention", mutates_args=("cache_k", "cache_v"))

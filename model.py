@@ -1,7 +1,8 @@
-"""Qwen3 for fast decoding: fused projections, a static KV cache, and one forward for prefill and decode."""
+"""Qwen3 and Qwen3-MoE for fast decoding: fused projections, a static KV cache, one forward for prefill and
+decode."""
 import json
 import pathlib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn as nn
@@ -36,15 +37,22 @@ class ModelArgs:
     max_position_embeddings: int = 40960
     tie_word_embeddings: bool = False
     quantization: str | None = None  # "int8": weight-only, per output channel (our converter writes it)
+    num_experts: int = 0  # MoE: experts per sparse layer, 0 for a dense model
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 768
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)  # dense layers of a MoE model
 
     @classmethod
     def from_config(cls, cfg: dict) -> "ModelArgs":
         """From a Hugging Face Qwen3 config.json, or from the config.json our converter writes."""
         architecture = (cfg.get("architectures") or ["Qwen3ForCausalLM"])[0]
         model_type = cfg.get("model_type", "qwen3")
-        if architecture != "Qwen3ForCausalLM" or model_type != "qwen3":
-            raise UserError(f"{architecture} (model_type {model_type}) is not supported: only dense Qwen3 is "
-                            "(Qwen3ForCausalLM, model_type qwen3)")
+        supported = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
+        if supported.get(architecture) != model_type:
+            raise UserError(f"{architecture} (model_type {model_type}) is not supported: only Qwen3 is "
+                            "(Qwen3ForCausalLM or Qwen3MoeForCausalLM)")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}  # new style, then old
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
@@ -55,7 +63,14 @@ class ModelArgs:
         args.rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", args.rope_theta)))
         if cfg.get("head_dim") is None:
             args.head_dim = args.hidden_size // args.num_attention_heads
+        if "num_local_experts" in cfg:  # what transformers writes for the hub's num_experts
+            args.num_experts = cfg["num_local_experts"]
         return args
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer` has a MoE block, as transformers decides it."""
+        step = (layer + 1) % self.decoder_sparse_step == 0
+        return self.num_experts > 0 and step and layer not in self.mlp_only_layers
 
 
 class RMSNorm(nn.Module):
@@ -69,28 +84,36 @@ class RMSNorm(nn.Module):
         return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
-class Int8Linear(nn.Module):
-    """y = (x @ int8 weight^T) * per-output-channel scale. The cast sits inside the matmul's expression so
-    that inductor fuses it into the matmul's loads and never writes a full-precision copy of the weight."""
+class Linear(nn.Module):
+    """A bias-free linear layer; with `experts`, one weight per expert: (experts, n_out, n_in). int8 stores
+    the weight as int8 with a scale per output row (weight-only quantization)."""
 
-    def __init__(self, in_features: int, out_features: int):
+    def __init__(self, n_in: int, n_out: int, int8: bool = False, experts: int | None = None):
         super().__init__()
-        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8))
-        self.register_buffer("scale", torch.empty(out_features))
+        shape = (n_out, n_in) if experts is None else (experts, n_out, n_in)
+        if int8:
+            self.register_buffer("weight", torch.empty(shape, dtype=torch.int8))
+            self.register_buffer("scale", torch.empty(shape[:-1]))
+        else:
+            self.weight = nn.Parameter(torch.empty(shape))
+            self.scale = None
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight.to(x.dtype)) * self.scale
+        # The int8 cast inside the matmul's expression: inductor fuses it into the matmul's loads and never
+        # writes a full-precision copy of the weight.
+        y = F.linear(x, self.weight.to(x.dtype))
+        return y if self.scale is None else y * self.scale
 
 
 def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
-    """Symmetric per-output-channel int8: w ~= q * scale[:, None]. Returns (q, scale)."""
-    scale = w.float().abs().amax(dim=1).clamp(min=1e-8) / 127
-    q = (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+    """Symmetric per-output-row int8: w ~= q * scale[..., None]. Returns (q, scale)."""
+    scale = w.float().abs().amax(dim=-1).clamp(min=1e-8) / 127
+    q = (w.float() / scale[..., None]).round().clamp(-127, 127).to(torch.int8)
     return q, scale
 
 
-def linear(args: ModelArgs, n_in: int, n_out: int) -> nn.Module:
-    return Int8Linear(n_in, n_out) if args.quantization == "int8" else nn.Linear(n_in, n_out, bias=False)
+def linear(args: ModelArgs, n_in: int, n_out: int, experts: int | None = None) -> Linear:
+    return Linear(n_in, n_out, int8=args.quantization == "int8", experts=experts)
 
 
 def project(proj: nn.Module, x: Tensor, *, fused: bool, norm: RMSNorm | None = None, gated: bool = False,
@@ -100,7 +123,7 @@ def project(proj: nn.Module, x: Tensor, *, fused: bool, norm: RMSNorm | None = N
     if fused:
         norm_weight = None if norm is None else norm.weight
         eps = 0.0 if norm is None else norm.eps
-        return kernels.gemv(x, proj.weight, scale=getattr(proj, "scale", None), norm=norm_weight, eps=eps,
+        return kernels.gemv(x, proj.weight, scale=proj.scale, norm=norm_weight, eps=eps,
                             gated=gated, residual=residual)
     if norm is not None:
         x = norm(x)
@@ -190,13 +213,52 @@ class MLP(nn.Module):
         return project(self.down_proj, gate_up, gated=True, residual=residual, fused=ctx.fused)
 
 
-class Block(nn.Module):
+class MoE(nn.Module):
+    """A router picks num_experts_per_tok of the experts (SiLU-gated MLPs) for each token; their outputs are
+    summed, weighted by the router's softmax (renormalised over the picked ones with norm_topk_prob)."""
+
     def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.top_k = args.num_experts_per_tok
+        self.norm_topk_prob = args.norm_topk_prob
+        self.gate = Linear(args.hidden_size, args.num_experts)  # the router, never quantized: it is small
+        self.gate_up_proj = linear(args, args.hidden_size, 2 * args.moe_intermediate_size, args.num_experts)
+        self.down_proj = linear(args, args.moe_intermediate_size, args.hidden_size, args.num_experts)
+
+    def forward(self, x: Tensor, norm: RMSNorm, residual: Tensor, ctx: ForwardContext) -> Tensor:
+        """residual + the routing-weighted sum over the picked experts e of down_e(silu(gate_e) * up_e)."""
+        logits = project(self.gate, x, norm=norm, fused=ctx.fused)
+        if ctx.fused:  # the kernels pick the experts from the logits and read the picked ones' weights alone
+            routing = dict(router=logits.view(-1), top_k=self.top_k, norm_topk_prob=self.norm_topk_prob)
+            gate_up = kernels.gemv(x, self.gate_up_proj.weight, scale=self.gate_up_proj.scale,
+                                   norm=norm.weight, eps=norm.eps, **routing)  # (top_k, 2 x moe_inter.)
+            return kernels.gemv(gate_up, self.down_proj.weight, scale=self.down_proj.scale, gated=True,
+                                residual=residual, routed=True, **routing)
+        probs = logits.softmax(-1, dtype=torch.float)
+        weights, picked = probs.topk(self.top_k)  # (R, T, top_k)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        # Every expert on every token, weighted 0 where not picked: static shapes, for compile and graphs,
+        # at num_experts / top_k times the work of the picked experts. Weights rounded as transformers does.
+        routing = torch.zeros_like(logits).scatter(-1, picked, weights.to(x.dtype))  # (R, T, experts)
+        gate_up = torch.einsum("rth,eih->rtei", norm(x), dequantized(self.gate_up_proj, x.dtype))
+        gate, up = gate_up.chunk(2, dim=-1)
+        hidden = F.silu(gate) * up * routing[..., None]  # (R, T, experts, moe_intermediate_size)
+        return residual + torch.einsum("rtei,ehi->rth", hidden, dequantized(self.down_proj, x.dtype))
+
+
+def dequantized(proj: Linear, dtype) -> Tensor:
+    weight = proj.weight.to(dtype)
+    return weight if proj.scale is None else weight * proj.scale[..., None]
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.self_attn = Attention(args)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = MLP(args)
+        self.mlp = MoE(args) if args.is_sparse(layer) else MLP(args)
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
         # Each norm is applied inside the first projection after it, each residual add inside the last one.
@@ -211,10 +273,10 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(Block(args) for _ in range(args.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         if args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+            self.lm_head = Linear(args.hidden_size, args.vocab_size)
             self.lm_head.weight = self.embed_tokens.weight
         else:
             self.lm_head = linear(args, args.hidden_size, args.vocab_size)
@@ -267,10 +329,18 @@ class Transformer(nn.Module):
         return state
 
     def weight_bytes(self) -> int:
-        """Bytes a decode step reads from the weights: all of them but the embedding, unless lm_head is it."""
-        tensors = {t.data_ptr(): t for name, t in self.state_dict().items()
-                   if name != "embed_tokens.weight" or self.args.tie_word_embeddings}
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+        """Bytes a one-token decode step reads from the weights: all of them but the embedding (unless lm_head
+        is it), and of each MoE layer's experts the picked ones alone."""
+        def size(tensors):
+            return sum(t.numel() * t.element_size() for t in tensors)
+        total = size({t.data_ptr(): t for t in self.state_dict().values()}.values())  # lm_head may be shared
+        if not self.args.tie_word_embeddings:
+            total -= size([self.embed_tokens.weight])
+        for m in self.modules():
+            if isinstance(m, MoE):
+                experts = size([*m.gate_up_proj.state_dict().values(), *m.down_proj.state_dict().values()])
+                total -= experts * (1 - m.top_k / self.args.num_experts)
+        return int(total)
 
     @classmethod
     def from_checkpoint(cls, path: str, device, dtype) -> "Transformer":

@@ -3,6 +3,7 @@
     python bench/bench.py decode --size 8B --modes eager,graph,compile,compile+graph --peer
     python bench/bench.py decode --size 8B --modes compile+graph --int8
     python bench/bench.py decode --size 8B --modes compile+graph --batch 8
+    python bench/bench.py decode --size 30B-A3B --modes graph,compile --peer   # MoE
     python bench/bench.py decode --size 0.6B --modes graph --profile      # the kernels of one step
     python bench/bench.py decode --size 0.6B --modes graph --no-kernels   # PyTorch's ops only
     python bench/bench.py ttft --size 8B --prompt 2048 --peer             # time to first token
@@ -11,6 +12,7 @@
 
 Decode tok/s comes from two generation lengths in one process, (n2 - n1) / (t2 - t1), which cancels prefill
 and every fixed cost; the best of --repeats. The peer is transformers' Qwen3ForCausalLM of the same shapes
+(Qwen3MoeForCausalLM for MoE presets)
 with a static cache and torch.compile, greedy (do_sample=False), measured the same way in the same process.
 Every result is one JSON line on stdout.
 """
@@ -28,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import generate as G  # noqa: E402
-from model import Int8Linear, ModelArgs, Transformer  # noqa: E402
+from model import Linear, ModelArgs, RMSNorm, Transformer  # noqa: E402
 
 PRESETS = {  # from the published config.json files; head_dim is 128 in all of them
     "0.6B": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
@@ -43,22 +45,40 @@ PRESETS = {  # from the published config.json files; head_dim is 128 in all of t
                 num_key_value_heads=8, tie_word_embeddings=False),
     "32B": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
                 num_key_value_heads=8, tie_word_embeddings=False),
+    "30B-A3B": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+                    num_key_value_heads=4, tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8,
+                    moe_intermediate_size=768, norm_topk_prob=True),
+    "235B-A22B": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=94,
+                      num_attention_heads=64, num_key_value_heads=4, tie_word_embeddings=False,
+                      num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536,
+                      norm_topk_prob=True),
 }
 VOCAB = 151936
 SAMPLED = G.SamplingParams(temperature=0.6, top_k=20, top_p=0.95)  # Qwen3's generation_config.json
 
 
 def random_model(size: str, int8: bool) -> Transformer:
-    """A preset with random bf16 weights on the GPU; with int8, every linear layer the converter quantizes
-    gets random int8 weights and scales of the bf16 weights' size."""
+    """A preset with random bf16 weights, built on the GPU in bf16 (never a float32 copy: 30B-A3B is 61 GB);
+    with int8, every linear layer the converter quantizes gets random int8 weights and scales of the bf16
+    weights' size."""
     args = ModelArgs(**PRESETS[size], head_dim=128, vocab_size=VOCAB, quantization="int8" if int8 else None)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device("meta"):
         model = Transformer(args).to(torch.bfloat16)  # .to() leaves the int8 buffers int8
-    for module in model.modules():
-        if isinstance(module, Int8Linear):
-            module.weight.random_(-127, 128)
-            module.scale.uniform_(0.5, 1.5).mul_(module.weight.shape[1] ** -0.5 / 127)
+    model = model.to_empty(device="cuda")
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.uniform_(0.5, 1.5)
+            elif isinstance(module, torch.nn.Embedding):
+                module.weight.normal_()
+            elif isinstance(module, Linear) and module.scale is None:
+                module.weight.normal_(0, module.weight.shape[-1] ** -0.5)
+            elif isinstance(module, Linear):
+                module.weight.random_(-127, 128)
+                module.scale.uniform_(0.5, 1.5).mul_(module.weight.shape[-1] ** -0.5 / 127)
+    if args.tie_word_embeddings:  # to_empty made the tied lm_head a tensor of its own
+        model.lm_head.weight = model.embed_tokens.weight
     return model.eval()
 
 
@@ -135,12 +155,14 @@ def profile(gen: G.Generator, tok_s: float) -> list:
 
 
 def peer_model(size: str):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-    config = Qwen3Config(**PRESETS[size], head_dim=128, vocab_size=VOCAB, max_position_embeddings=40960,
-                         rope_theta=1e6, rms_norm_eps=1e-6)
+    import transformers
+    moe = "num_experts" in PRESETS[size]
+    config_class = transformers.Qwen3MoeConfig if moe else transformers.Qwen3Config
+    config = config_class(**PRESETS[size], head_dim=128, vocab_size=VOCAB, max_position_embeddings=40960,
+                          rope_theta=1e6, rms_norm_eps=1e-6)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        return Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
 
 
 def peer_decode(a: argparse.Namespace) -> dict:
@@ -233,7 +255,11 @@ def main():
     elif a.what == "first-text":
         rows = first_text(a)
     else:
-        rows = [decode(a, mode) for mode in a.modes.split(",")]
+        rows = []
+        for mode in a.modes.split(","):
+            print(json.dumps(decode(a, mode)), flush=True)
+        gc.collect()  # the last mode's model: two 30B-A3B models don't fit one GPU
+        torch.cuda.empty_cache()
         if a.peer:
             rows.append(peer_decode(a))
     for row in rows:
