@@ -1,8 +1,7 @@
 """Converts a Hugging Face Qwen3 or Qwen3-MoE snapshot into qwen3-fast weights (fused qkv and gate-up, each
 MoE layer's experts stacked; safetensors).
 
-    python convert_hf_checkpoint.py --repo Qwen/Qwen3-0.6B                         # downloads it first
-    python convert_hf_checkpoint.py --checkpoint-dir checkpoints/Qwen/Qwen3-8B     # writes .../converted
+    python convert_hf_checkpoint.py --checkpoint-dir checkpoints/Qwen/Qwen3-8B          # writes .../converted
     python convert_hf_checkpoint.py --checkpoint-dir checkpoints/Qwen/Qwen3-8B --int8   # .../converted-int8
 
 Tensors are read one at a time and written in shards, so memory stays near one shard whatever the model's
@@ -134,35 +133,16 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
         raise
 
 
-def download(repo: str, local_dir: str | None = None) -> str:
-    """Downloads a Hugging Face repo's weights, configs and tokenizer; returns the directory."""
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError:
-        raise UserError("downloading needs huggingface_hub: pip install huggingface_hub") from None
-    local_dir = local_dir or os.path.join("checkpoints", repo)
-    print(f"downloading {repo} into {local_dir}", file=sys.stderr, flush=True)
-    try:
-        return snapshot_download(repo, local_dir=local_dir,
-                                 allow_patterns=["*.json", "*.safetensors", "*.txt", "tokenizer.model"])
-    except Exception as e:  # offline, no such repo, ...: whatever the hub's client raises
-        first_line = str(e).strip().splitlines()[0]
-        raise UserError(f"cannot download {repo} ({type(e).__name__}: {first_line})") from None
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--checkpoint-dir", help="a Hugging Face Qwen3 snapshot (config.json + *.safetensors)")
-    ap.add_argument("--repo", help="download this Hugging Face repo first, e.g. Qwen/Qwen3-0.6B")
     ap.add_argument("--output", help="where to write (default: CHECKPOINT_DIR/converted, or converted-int8)")
     ap.add_argument("--int8", action="store_true", help="int8 weight-only (the blocks, an untied lm_head)")
     ap.add_argument("--shard-size-mb", type=int, default=2048, help="size of each output file")
     a = ap.parse_args(argv)
     try:
-        if a.repo:
-            a.checkpoint_dir = download(a.repo, a.checkpoint_dir)
         if not a.checkpoint_dir:
-            raise UserError("give --checkpoint-dir DIR (a Hugging Face snapshot) or --repo Qwen/Qwen3-0.6B")
+            raise UserError("give --checkpoint-dir DIR, a Hugging Face snapshot")
         out = a.output or os.path.join(a.checkpoint_dir, "converted-int8" if a.int8 else "converted")
         convert(a.checkpoint_dir, out, a.int8, a.shard_size_mb << 20)
     except UserError as e:

@@ -1,18 +1,12 @@
-"""Generates text with Qwen3, fast: a decode step that never syncs with the host, compiled and/or graphed.
+"""Generates text with Qwen3, fast: a compiled decode step that never syncs with the host.
 
-Prefill runs each prompt in its own cache row; decode steps run on the device alone, and the host looks for
-stop tokens every --check-every steps with one sync.
-
-    python generate.py --compile --prompt "Hello, my name is"
-    python generate.py --compile --chat --no-think --prompt "Why is the sky blue?"
-    python generate.py --compile --interactive
+    python generate.py --compile --prompt "Hello, my name is"  # the converted checkpoints/Qwen/Qwen3-0.6B
+    python generate.py --compile --chat --no-think --prompt "Why is the sky blue?" --prompt "Hi!"  # a batch
 """
 import argparse
-import logging
 import math
 import pathlib
 import re
-import resource
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -20,11 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 import kernels
-from convert_hf_checkpoint import convert, download
 from model import Transformer, UserError, read_json
-
-DEFAULT_REPO = "Qwen/Qwen3-0.6B"
-DEFAULT_CHECKPOINT = f"checkpoints/{DEFAULT_REPO}/converted"
 
 
 @dataclass
@@ -84,28 +74,6 @@ def decode_one_token(model: Transformer, state: DecodeState, kv_positions: torch
     state.step.add_(1)
 
 
-class CUDAGraphStep:
-    """Replays a decode step as a manually captured CUDA graph, one graph per attended cache length."""
-
-    def __init__(self, step):
-        self.step = step
-        self.graphs = {}
-        self.pool = torch.cuda.graph_pool_handle()  # shared by every graph: one set of intermediate buffers
-
-    def __call__(self, kv_positions: torch.Tensor) -> None:
-        length = kv_positions.shape[0]
-        if length in self.graphs:
-            self.graphs[length].replay()
-            return
-        # A new length: this call's step runs eagerly, which also does what capture must not (lazy
-        # initialisation, compilation), and is then captured without running for the next calls to replay.
-        self.step(kv_positions)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.step(kv_positions)
-        self.graphs[length] = graph
-
-
 def attended_length(needed: int, capacity: int) -> int:
     """Attention reads a power-of-two prefix of the cache (at least 256): cost follows the live length, not
     the capacity, and a compiled or graphed step sees only a few distinct shapes."""
@@ -125,7 +93,7 @@ class Generator:
     use_kernels: the Triton kernels run wherever they apply (one token of one row) - the caller's decision."""
 
     def __init__(self, model: Transformer, *, batch: int, capacity: int, sampling: SamplingParams,
-                 use_kernels: bool, compile: bool = False, cuda_graph: bool = False):
+                 use_kernels: bool, compile: bool = False):
         model.setup_cache(batch, capacity)
         self.model = model
         self.capacity = capacity
@@ -135,10 +103,9 @@ class Generator:
 
         def step(kv_positions):
             decode_one_token(model, self.state, kv_positions, sampling, use_kernels)
-        if compile:  # the manual graph replaces cudagraph trees when both are asked for
-            mode = None if cuda_graph else "reduce-overhead"
-            step = torch.compile(step, mode=mode, fullgraph=True)
-        self.step = CUDAGraphStep(step) if cuda_graph else step
+        if compile:  # and captured in CUDA graphs (one per attended length): a replay launches the whole step
+            step = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+        self.step = step
 
     def decode_step(self, needed: int) -> None:
         """One step for every row; the rows' positions so far fit in the first `needed` of the cache."""
@@ -148,20 +115,19 @@ class Generator:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], *, max_new: int, stop_ids: set, check_every: int = 16,
-                 starts: list[int] | None = None, on_tokens=None) -> tuple[list[list[int]], GenerationStats]:
-        """Each prompt in its own cache row at its own length (row b continues from position starts[b]) until
-        every row has produced a stop token or max_new tokens. Returns each row's new tokens, cut before its
-        first stop token, and timings. on_tokens(rows) gets the tokens so far at each check."""
+                 on_tokens=None) -> tuple[list[list[int]], GenerationStats]:
+        """Each prompt in its own cache row at its own length until every row has produced a stop token or
+        max_new tokens. Returns each row's new tokens, cut before its first stop token, and timings.
+        on_tokens(rows) gets the tokens so far at each check."""
         state = self.state
-        starts = starts or [0] * len(prompts)
-        ends = [start + len(prompt) for start, prompt in zip(starts, prompts, strict=True)]
+        ends = [len(prompt) for prompt in prompts]
         if max(ends) + max_new > self.capacity:
             raise UserError(f"prompt ({max(ends)} tokens) + max new tokens ({max_new}) is over the cache "
                             f"length {self.capacity}: raise --cache-len or lower --max-new-tokens")
         sync = torch.cuda.synchronize if state.tokens.is_cuda else (lambda: None)
         t0 = time.perf_counter()
-        for row, (tokens, start) in enumerate(zip(prompts, starts, strict=True)):  # prefill, a row at a time
-            positions = torch.arange(start, ends[row], device=state.tokens.device)[None]
+        for row, tokens in enumerate(prompts):  # prefill, a row at a time
+            positions = torch.arange(len(tokens), device=state.tokens.device)[None]
             logits = self.model(torch.tensor([tokens], device=positions.device), positions,
                                 self.model.key_positions[:ends[row]], rows=slice(row, row + 1),
                                 last_only=True, use_kernels=self.use_kernels)
@@ -265,8 +231,8 @@ class ArgumentParser(argparse.ArgumentParser):
 def parse_args(argv=None) -> argparse.Namespace:
     ap = ArgumentParser(description=__doc__.split("\n")[0])
     g = ap.add_argument_group("model")
-    g.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, help="a directory that convert_hf_checkpoint"
-                   f".py wrote (default: {DEFAULT_REPO}, downloaded and converted on first use)")
+    g.add_argument("--checkpoint", default="checkpoints/Qwen/Qwen3-0.6B/converted",
+                   help="a directory that convert_hf_checkpoint.py wrote")
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda:N")
     g.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: bf16 on CUDA, fp32")
     g = ap.add_argument_group("prompt")
@@ -274,7 +240,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--chat", action="store_true", help="wrap each prompt in Qwen3's chat template")
     g.add_argument("--system", help="system message for --chat")
     g.add_argument("--no-think", action="store_true", help="with --chat: answer without a thinking block")
-    g.add_argument("--interactive", action="store_true", help="chat turn after turn, the history cached")
     g = ap.add_argument_group("sampling (defaults: the checkpoint's generation_config.json, else greedy)")
     g.add_argument("--temperature", type=checked(float, ">= 0", lambda v: 0 <= v < math.inf), help="0 greedy")
     g.add_argument("--top-k", type=checked(int, ">= 0", lambda v: v >= 0), help="0 keeps every token")
@@ -284,22 +249,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--stop-ids", type=int, nargs="*", default=[], help="stop tokens besides the model's eos")
     g = ap.add_argument_group("speed")
     g.add_argument("--compile", action="store_true", help="torch.compile the decode step (reduce-overhead)")
-    g.add_argument("--cuda-graph", action="store_true", help="capture the decode step as CUDA graphs by hand")
     g.add_argument("--check-every", type=POSITIVE, default=16, help="decode steps between stop checks")
-    g.add_argument("--cache-len", type=POSITIVE, help="KV cache positions (default: prompt + max new tokens; "
-                   "8192 with --interactive)")
+    g.add_argument("--cache-len", type=POSITIVE, help="KV cache positions (default: prompt + max new tokens)")
     a = ap.parse_args(argv)
     if not re.fullmatch(r"cpu|cuda(:\d+)?", a.device):
         raise UserError(f"unknown device {a.device!r}: use cpu, cuda or cuda:N")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("no CUDA device here: use --device cpu")
     a.device = torch.device(a.device)
-    if a.cuda_graph and a.device.type != "cuda":
-        raise UserError("--cuda-graph needs a CUDA device")
-    if a.interactive and a.prompt:
-        raise UserError("--interactive reads its prompts from the terminal: drop --prompt")
-    if (a.system or a.no_think) and not (a.chat or a.interactive):
-        raise UserError("--system and --no-think go with --chat or --interactive")
+    if (a.system or a.no_think) and not a.chat:
+        raise UserError("--system and --no-think go with --chat")
     return a
 
 
@@ -315,13 +274,9 @@ def main(argv=None):
 def run(a: argparse.Namespace) -> None:
     if a.seed is not None:
         torch.manual_seed(a.seed)
-    if a.compile and a.device.type == "cpu":  # a CUDA build of torch warns that it finds no GPU: we know
-        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     texts = a.prompt or []
-    if not a.interactive and not (texts and all(text.strip() for text in texts)):
+    if not (texts and all(text.strip() for text in texts)):
         raise UserError("empty prompt: give --prompt TEXT")
-    if a.checkpoint == DEFAULT_CHECKPOINT and not pathlib.Path(a.checkpoint).exists():
-        convert(download(DEFAULT_REPO), DEFAULT_CHECKPOINT)
     print(f"loading {a.checkpoint} ...", file=sys.stderr, flush=True)
     dtype = getattr(torch, a.dtype or ("bfloat16" if a.device.type == "cuda" else "float32"))
     model = Transformer.from_checkpoint(a.checkpoint, a.device, dtype)
@@ -332,78 +287,20 @@ def run(a: argparse.Namespace) -> None:
     eos = generation_config.get("eos_token_id", [])
     stop_ids = set(a.stop_ids) | set(eos if isinstance(eos, list) else [eos])
     prompts = [encode(chat_turn(t, a.system, a.no_think) if a.chat else t) for t in texts]
-    capacity = a.cache_len
-    if capacity is None and a.interactive:
-        capacity = min(8192, model.args.max_position_embeddings)
-    if capacity is None:  # too long for the model's positions: setup_cache says so
-        capacity = max(map(len, prompts)) + a.max_new_tokens
-    gen = Generator(model, batch=max(1, len(prompts)), capacity=capacity,
+    capacity = a.cache_len or max(map(len, prompts)) + a.max_new_tokens  # too long: setup_cache says so
+    gen = Generator(model, batch=len(prompts), capacity=capacity,
                     sampling=resolve_sampling(a, generation_config),
-                    use_kernels=kernels.AVAILABLE and a.device.type == "cuda", compile=a.compile,
-                    cuda_graph=a.cuda_graph)
-    if a.interactive:
-        return chat(gen, a, encode, decode, stop_ids)
+                    use_kernels=kernels.AVAILABLE and a.device.type == "cuda", compile=a.compile)
     stream = TextStream(decode, texts)
     try:
         _, stats = gen.generate(prompts, max_new=a.max_new_tokens, stop_ids=stop_ids,
                                 check_every=a.check_every, on_tokens=stream)
     finally:  # on Ctrl-C too: what was generated so far
         stream.finish()
-    print(report(stats, model, stream.rows, a), file=sys.stderr)
-
-
-def report(stats: GenerationStats, model: Transformer, rows: list[list[int]], a: argparse.Namespace) -> str:
-    """Time to first token, decode speed and peak memory; the first decode step (compiling, capture) apart."""
     rate = stats.decode_steps / stats.decode_s if stats.decode_steps else 0.0
-    if a.device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated()
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux counts kB
-    return (f"{sum(map(len, rows))} new tokens. Time to first token {stats.prefill_s:.3f} s; the first "
-            f"decode step {stats.first_step_s:.2f} s (compilation and graph capture happen there); then "
-            f"{rate:.1f} tok/s per row, {rate * model.weight_bytes() / 1e9:.0f} GB/s of weights. Peak memory "
-            f"{peak / 1e9:.2f} GB.")
-
-
-def chat(gen: Generator, a: argparse.Namespace, encode, decode, stop_ids: set) -> None:
-    """Turn after turn in cache row 0: each turn prefills only its own tokens after the cached history.
-    Ctrl-C stops a reply; Ctrl-C or Ctrl-D at the prompt ends the conversation."""
-    history = 0  # positions of row 0 that hold the conversation
-    pending = []  # reply tokens not yet in the cache
-    system = a.system
-    while True:
-        try:
-            user = input("> ")
-        except (EOFError, KeyboardInterrupt):
-            print()
-            return
-        if not user.strip():
-            continue
-        closing = "<|im_end|>\n" if history else ""  # ends the previous reply
-        turn = pending + encode(closing + chat_turn(user, system, a.no_think))
-        stream = TextStream(decode, [user])
-        interrupted = False
-        try:
-            gen.generate([turn], max_new=a.max_new_tokens, stop_ids=stop_ids, check_every=a.check_every,
-                         starts=[history], on_tokens=stream)
-        except KeyboardInterrupt:  # the reply so far stays in the conversation
-            interrupted = True
-        except UserError as e:
-            print(f"error: {e}; starting a new conversation", file=sys.stderr)
-            history = 0
-            pending = []
-            system = a.system
-            continue
-        stream.finish()
-        reply = stream.rows[0]
-        if interrupted and not reply:  # stopped before its first token: the turn is dropped
-            continue
-        system = None
-        # The cache holds the turn and every reply token but perhaps the last (a reply cut short never fed
-        # it back): that one is fed again with the next turn, at the same position.
-        fed = max(len(reply) - 1, 0)
-        history += len(turn) + fed
-        pending = reply[fed:]
+    print(f"{sum(map(len, stream.rows))} new tokens. Time to first token {stats.prefill_s:.3f} s; the first "
+          f"decode step {stats.first_step_s:.2f} s (compilation and graph capture happen there); then "
+          f"{rate:.1f} tok/s per row.", file=sys.stderr)
 
 
 if __name__ == "__main__":

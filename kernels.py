@@ -1,10 +1,9 @@
-"""Triton kernels for one-token decode steps on CUDA: a matrix-vector product with its neighbours fused in,
-and split-KV attention for one query with the q/k norms, RoPE and the cache write fused in. model.py uses
-PyTorch's ops where these don't apply (the CPU, several tokens), and as their reference in tests.
+"""Triton kernels for one-token decode steps on CUDA: a matrix-vector product with what surrounds it fused in
+(RMSNorm, the SiLU gate, int8 dequantisation, the residual; for MoE, the router's picks and weights).
+model.py uses PyTorch's ops where it doesn't apply (the CPU, several tokens), and as its reference in tests.
 
-Why: a graphed decode step at batch 1 is bound by its many small kernels. Each kernel costs a launch gap and a
-ramp-up even inside a CUDA graph, so these fuse what surrounds each product: six kernels a layer instead of
-eleven (bench/RESULTS.md has the measurements)."""
+Why: a decode step at batch 1 is bound by its many small kernels, each a launch gap and a ramp-up even in a
+CUDA graph; the products are most of them (bench/RESULTS.md has the measurements)."""
 import torch
 from torch import Tensor
 
@@ -94,98 +93,6 @@ if triton is not None:
             y = y + tl.load(res + n, mask=n < N, other=0.0).to(tl.float32)
         tl.store(out + j * N + n, y.to(out.dtype.element_ty), mask=n < N)
 
-    @triton.jit
-    def _norm_rope(x, rows, rowmask, w, cos, sin, eps, HEAD_DIM: tl.constexpr, D: tl.constexpr):
-        # RMSNorm over each row's head_dim, times w, then RoPE in the split-halves layout: as q_norm/k_norm
-        # and apply_rope in model.py, in fp32.
-        d = tl.arange(0, D)
-        other = tl.where(d < HEAD_DIM // 2, d + HEAD_DIM // 2, d - HEAD_DIM // 2)  # rotate_half's partner
-        mask = rowmask[:, None] & (d[None, :] < HEAD_DIM)
-        xd = tl.load(x + rows[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
-        xo = tl.load(x + rows[:, None] + other[None, :], mask=mask, other=0.0).to(tl.float32)
-        wd = tl.load(w + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
-        wo = tl.load(w + other, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(xd * xd, axis=1) / HEAD_DIM + eps)[:, None]
-        rotated = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)[None, :] * xo * wo[None, :] * sin[None, :]
-        return (xd * wd[None, :] * cos[None, :] + rotated) * rstd
-
-    @triton.jit
-    def _attention(qkv, k, v, first_row, pos, cos, sin, q_norm, k_norm, o, lse, qkv_row, cs_row, k_row,
-                   k_head, k_pos, eps: tl.constexpr, sm_scale: tl.constexpr, GROUP: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                   SPLITS: tl.constexpr):
-        # Program (row, kv head h, split s), from the row's fused q|k|v projection: normalises and rotates the
-        # GROUP query heads of h and the new key, attends over the split's share of the row's live keys
-        # (positions <= the query's: the cost follows the live length, not the cache's) and writes the
-        # softmax-normalised partial output and its log-sum-exp for the merge. The new key and value are used
-        # from registers, and split 0 writes them to the cache: no program reads position p from memory.
-        r, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        g, d = tl.arange(0, G), tl.arange(0, D)
-        dmask = d < HEAD_DIM
-        p = tl.load(pos + r)
-        KV_HEADS = tl.num_programs(1)
-        H = GROUP * KV_HEADS
-        cs = tl.load(cos + r * cs_row + d, mask=dmask, other=0.0).to(tl.float32)
-        sn = tl.load(sin + r * cs_row + d, mask=dmask, other=0.0).to(tl.float32)
-        row = qkv + r * qkv_row
-        qt = _norm_rope(row, (h * GROUP + g) * HEAD_DIM, g < GROUP, q_norm, cs, sn, eps, HEAD_DIM, D)
-        qt = qt.to(k.dtype.element_ty)  # rounded as the model's activations are
-        # The new key and value: one head each, loaded as G rows of which row 0 alone is real, then summed.
-        zero = tl.zeros([G], tl.int32)
-        new_k = _norm_rope(row, zero + (H + h) * HEAD_DIM, g < 1, k_norm, cs, sn, eps, HEAD_DIM, D)
-        new_k = tl.sum(new_k, axis=0).to(k.dtype.element_ty)
-        v_offsets = (zero[:, None] + H + KV_HEADS + h) * HEAD_DIM + d[None, :]
-        new_v = tl.sum(tl.load(row + v_offsets, mask=(g[:, None] < 1) & dmask[None, :], other=0.0), axis=0)
-        cache = (first_row + r) * k_row + h * k_head
-        here = cache + p * k_pos + d
-        if s == 0:
-            tl.store(k + here, new_k, mask=dmask)
-            tl.store(v + here, new_v.to(v.dtype.element_ty), mask=dmask)
-        chunk = tl.cdiv(tl.cdiv(p + 1, SPLITS), BLOCK) * BLOCK
-        lo = s * chunk
-        hi = tl.minimum(lo + chunk, p + 1)
-        end = tl.minimum(hi, p)  # keys before the new one
-        m = tl.full([G], -1e30, tl.float32)
-        total = tl.zeros([G], tl.float32)  # the softmax's denominator so far
-        acc = tl.zeros([G, D], tl.float32)
-        for start in range(lo, end, BLOCK):
-            j = start + tl.arange(0, BLOCK)
-            kvmask = (j[:, None] < end) & dmask[None, :]
-            offsets = cache + j[:, None] * k_pos + d[None, :]
-            kt = tl.load(k + offsets, mask=kvmask, other=0.0)
-            vt = tl.load(v + offsets, mask=kvmask, other=0.0)
-            scores = tl.dot(qt, tl.trans(kt), input_precision="ieee") * sm_scale
-            scores = tl.where(j[None, :] < end, scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            e = tl.exp(scores - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            total = total * alpha + tl.sum(e, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(e.to(vt.dtype), vt, input_precision="ieee")
-            m = m_new
-        own = (lo <= p) & (p < hi)  # the split whose share holds the new key
-        score = tl.sum(qt.to(tl.float32) * new_k.to(tl.float32)[None, :], axis=1) * sm_scale
-        score = tl.where(own, score, float("-inf"))
-        m_new = tl.maximum(m, score)
-        e = tl.exp(score - m_new)
-        alpha = tl.exp(m - m_new)
-        total = total * alpha + e
-        acc = acc * alpha[:, None] + e[:, None] * new_v.to(tl.float32)[None, :]
-        m = m_new
-        out = (r * H + h * GROUP + g) * SPLITS + s  # index into (rows, heads, SPLITS)
-        tl.store(o + out[:, None] * HEAD_DIM + d[None, :], acc / tl.where(total > 0, total, 1.0)[:, None],
-                 mask=(g[:, None] < GROUP) & dmask[None, :])
-        tl.store(lse + out, m + tl.log(total), mask=g < GROUP)  # -inf for an empty split
-
-    @triton.jit
-    def _merge(o, lse, out, HEAD_DIM: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):
-        # One (row, head): the splits' outputs weighted by exp(lse) over their sum, which is exact.
-        i, s, d = tl.program_id(0), tl.arange(0, SPLITS), tl.arange(0, D)
-        w = tl.load(lse + i * SPLITS + s)
-        w = tl.exp(w - tl.max(w, axis=0))
-        parts = tl.load(o + (i * SPLITS + s[:, None]) * HEAD_DIM + d[None, :], mask=d[None, :] < HEAD_DIM)
-        y = tl.sum(parts * w[:, None], axis=0) / tl.sum(w, axis=0)
-        tl.store(out + i * HEAD_DIM + d, y.to(out.dtype.element_ty), mask=d < HEAD_DIM)
-
 
 # Launch configurations of _gemv by what it fuses into its input and how the weights are stored, from sweeps
 # on the H200 over the 0.6B-8B shapes: more rows per program where the work on x is costlier, or for int8.
@@ -253,33 +160,3 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | 
 def _(x, weight, scale=None, norm=None, eps=0.0, gated=False, residual=None, router=None, top_k=0,
       norm_topk_prob=False, routed=False):
     return x.new_empty(gemv_shape(x, weight, router, top_k, routed))
-
-
-@torch.library.custom_op("qwen3_fast::decode_attention", mutates_args=("cache_k", "cache_v"))
-def decode_attention(qkv: Tensor, cache_k: Tensor, cache_v: Tensor, first_row: int, positions: Tensor,
-                     cos: Tensor, sin: Tensor, q_norm: Tensor, k_norm: Tensor, eps: float,
-                     heads: int) -> Tensor:
-    """One query per row: qkv (R, 1, (heads + 2 kv_heads) * head_dim), the fused projection, at positions (R,)
-    of cache rows first_row ... first_row + R - 1 of cache_k/cache_v (slots, kv_heads, capacity, head_dim),
-    which get the new key and value there; cos/sin (R, ..., head_dim) at the positions; q_norm/k_norm the
-    RMSNorm weights. Attends to keys at positions <= the query's, split over the keys so that one row still
-    fills the GPU; returns (R, heads, head_dim)."""
-    R = qkv.shape[0]
-    kv_heads, head_dim = cache_k.shape[1], cache_k.shape[3]
-    splits = 32  # programs per (row, kv head): enough to fill the GPU for one row
-    o = torch.empty(R, heads, splits, head_dim, dtype=torch.float32, device=qkv.device)
-    lse = torch.empty(R, heads, splits, dtype=torch.float32, device=qkv.device)
-    group = heads // kv_heads
-    D = max(16, triton.next_power_of_2(head_dim))  # tl.dot wants blocks of at least 16
-    k_row, k_head, k_pos, _ = cache_k.stride()
-    _attention[(R, kv_heads, splits)](
-        qkv, cache_k, cache_v, first_row, positions, cos, sin, q_norm, k_norm, o, lse, qkv.stride(0),
-        cos.stride(0), k_row, k_head, k_pos, eps=eps, sm_scale=head_dim ** -0.5, GROUP=group,
-        HEAD_DIM=head_dim, G=max(16, triton.next_power_of_2(group)), D=D, BLOCK=32, SPLITS=splits)
-    out = torch.empty(R, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    _merge[(R * heads,)](o, lse, out, HEAD_DIM=head_dim, D=D, SPLITS=splits)
-    return out
-
-
-decode_attention.register_fake(
-    lambda qkv, cache_k, *args: qkv.new_empty(qkv.shape[0], args[-1], cache_k.shape[-1]))

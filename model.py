@@ -166,7 +166,7 @@ class ForwardContext:
     positions: Tensor  # (R, T) absolute positions of the tokens
     cos: Tensor  # (R, T, 1, head_dim) RoPE at those positions
     sin: Tensor
-    mask: Tensor | None  # (R, 1, T, kv_len), True where a token may attend; None when fused
+    mask: Tensor  # (R, 1, T, kv_len), True where a token may attend
     fused: bool  # one token on CUDA: the Triton kernels run
 
 
@@ -186,18 +186,12 @@ class Attention(nn.Module):
         """residual + attention(norm(x))."""
         R, T, _ = x.shape
         qkv = project(self.qkv_proj, x, norm=norm, fused=ctx.fused)
-        cache = self.kv_cache
-        if ctx.fused:  # the q/k norms, RoPE, the cache write and attention in one kernel
-            y = kernels.decode_attention(qkv, cache.k, cache.v, ctx.rows.start or 0, ctx.positions[:, 0],
-                                         ctx.cos, ctx.sin, self.q_norm.weight, self.k_norm.weight,
-                                         self.q_norm.eps, self.n_heads)
-        else:
-            q, k, v = qkv.view(R, T, -1, self.head_dim).split([self.n_heads, self.n_kv, self.n_kv], dim=2)
-            q = apply_rope(self.q_norm(q), ctx.cos, ctx.sin)
-            k = apply_rope(self.k_norm(k), ctx.cos, ctx.sin)
-            keys, values = cache.update(ctx.rows, ctx.positions, k, v, ctx.mask.shape[-1])
-            y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=ctx.mask,
-                                               enable_gqa=True).transpose(1, 2)
+        q, k, v = qkv.view(R, T, -1, self.head_dim).split([self.n_heads, self.n_kv, self.n_kv], dim=2)
+        q = apply_rope(self.q_norm(q), ctx.cos, ctx.sin)
+        k = apply_rope(self.k_norm(k), ctx.cos, ctx.sin)
+        keys, values = self.kv_cache.update(ctx.rows, ctx.positions, k, v, ctx.mask.shape[-1])
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=ctx.mask,
+                                           enable_gqa=True).transpose(1, 2)
         return project(self.o_proj, y.reshape(R, T, -1), residual=residual, fused=ctx.fused)
 
 
@@ -308,9 +302,7 @@ class Transformer(nn.Module):
         slice of key_positions covering every position written so far). use_kernels: the Triton kernels run
         where they apply (a single token). Returns logits (R, T, vocab), or (R, 1, vocab) with last_only."""
         fused = use_kernels and tokens.numel() == 1
-        mask = None
-        if not fused:  # causal, which also hides unwritten and stale slots
-            mask = (kv_positions <= positions[..., None])[:, None]
+        mask = (kv_positions <= positions[..., None])[:, None]  # causal: hides unwritten and stale slots too
         cos = self.rope_cos[positions][:, :, None]
         sin = self.rope_sin[positions][:, :, None]
         ctx = ForwardContext(rows=rows, positions=positions, cos=cos, sin=sin, mask=mask, fused=fused)
@@ -327,20 +319,6 @@ class Transformer(nn.Module):
         if self.args.tie_word_embeddings:
             del state["lm_head.weight"]
         return state
-
-    def weight_bytes(self) -> int:
-        """Bytes a one-token decode step reads from the weights: all of them but the embedding (unless lm_head
-        is it), and of each MoE layer's experts the picked ones alone."""
-        def size(tensors):
-            return sum(t.numel() * t.element_size() for t in tensors)
-        total = size({t.data_ptr(): t for t in self.state_dict().values()}.values())  # lm_head may be shared
-        if not self.args.tie_word_embeddings:
-            total -= size([self.embed_tokens.weight])
-        for m in self.modules():
-            if isinstance(m, MoE):
-                experts = size([*m.gate_up_proj.state_dict().values(), *m.down_proj.state_dict().values()])
-                total -= experts * (1 - m.top_k / self.args.num_experts)
-        return int(total)
 
     @classmethod
     def from_checkpoint(cls, path: str, device, dtype) -> "Transformer":

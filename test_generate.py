@@ -126,10 +126,10 @@ def forward(model, tokens, start=0, row=0, use_kernels=False):
 
 
 def generator(path, batch=1, capacity=512, sampling=GREEDY, device="cpu", dtype=torch.float32,
-              use_kernels=False, compile=False, cuda_graph=False):
+              use_kernels=False, compile=False):
     model = Transformer.from_checkpoint(path, device, dtype)
     return G.Generator(model, batch=batch, capacity=capacity, sampling=sampling, use_kernels=use_kernels,
-                       compile=compile, cuda_graph=cuda_graph)
+                       compile=compile)
 
 
 def greedy(path, prompts, max_new=24, check_every=5, stop_ids=(), capacity=512, **kw):
@@ -343,28 +343,31 @@ def current_umask():
     return mask
 
 
-def test_convert_memory_stays_bounded(tmp_path):
-    """Converting a ~650 MB sharded checkpoint takes far less memory than its size (a tensor at a time)."""
-    src = tmp_path / "big"
+def write_random_snapshot(src, args: ModelArgs) -> tuple[int, dict]:
+    """A Hugging Face-layout snapshot of random fp32 weights in ~60 MB shards, every expert a tensor of its
+    own; returns its bytes and its weight map."""
     src.mkdir()
-    args = ModelArgs(hidden_size=512, intermediate_size=2048, num_hidden_layers=40, num_attention_heads=8,
-                     num_key_value_heads=4, head_dim=64, vocab_size=8000, tie_word_embeddings=False)
     fields = {k: v for k, v in vars(args).items() if k != "quantization"}
-    cfg = {"architectures": ["Qwen3ForCausalLM"], **fields}
+    moe = args.num_experts > 0
+    cfg = {"architectures": ["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"],
+           "model_type": "qwen3_moe" if moe else "qwen3", **fields}
     json.dump(cfg, open(src / "config.json", "w"))
-    hf_names = {}
-    h, d, kv, inter = args.hidden_size, args.head_dim, args.num_key_value_heads, args.intermediate_size
+    hf_names = {"model.embed_tokens.weight": (args.vocab_size, args.hidden_size)}
+    h, d, kv = args.hidden_size, args.head_dim, args.num_key_value_heads
+    inter = args.moe_intermediate_size if moe else args.intermediate_size
     for i in range(args.num_hidden_layers):
         p = f"model.layers.{i}."
         hf_names.update({p + "self_attn.q_proj.weight": (8 * d, h), p + "self_attn.o_proj.weight": (h, 8 * d),
                          p + "self_attn.k_proj.weight": (kv * d, h),
                          p + "self_attn.v_proj.weight": (kv * d, h),
                          p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
-                         p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-                         p + "mlp.down_proj.weight": (h, inter),
                          p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
-    hf_names.update({"model.embed_tokens.weight": (args.vocab_size, h), "model.norm.weight": (h,),
-                     "lm_head.weight": (args.vocab_size, h)})
+        if moe:
+            hf_names[p + "mlp.gate.weight"] = (args.num_experts, h)
+        for e in [f"{p}mlp.experts.{e}." for e in range(args.num_experts)] if moe else [p + "mlp."]:
+            hf_names.update({e + "gate_proj.weight": (inter, h), e + "up_proj.weight": (inter, h),
+                             e + "down_proj.weight": (h, inter)})
+    hf_names.update({"model.norm.weight": (h,), "lm_head.weight": (args.vocab_size, h)})
     shard, total, n, weight_map = {}, 0, 0, {}
     for name, shape in hf_names.items():
         shard[name] = torch.randn(shape)
@@ -376,7 +379,11 @@ def test_convert_memory_stays_bounded(tmp_path):
     save_file(shard, src / f"model-{n}.safetensors")
     weight_map.update({k: f"model-{n}.safetensors" for k in shard})
     json.dump({"weight_map": weight_map}, open(src / "model.safetensors.index.json", "w"))
-    assert total > 500e6
+    return total, weight_map
+
+
+def peak_memory_of(body: str) -> int:
+    """Peak resident bytes that the Python code `body` adds, run in a fresh process."""
     code = textwrap.dedent(f"""
         import sys; sys.path.insert(0, {HERE!r})
         import convert_hf_checkpoint, torch
@@ -385,21 +392,52 @@ def test_convert_memory_stays_bounded(tmp_path):
         base = hwm()
         {{}}
         print(base, hwm())""")
+    r = subprocess.run([sys.executable, "-c", code.format(body)], check=True, capture_output=True, text=True)
+    base, peak = [int(x) * 1024 for x in r.stdout.split()[-2:]]
+    return peak - base
 
-    def peak_above_baseline(body):
-        r = subprocess.run([sys.executable, "-c", code.format(body)], check=True, capture_output=True,
-                           text=True)
-        base, peak = [int(x) * 1024 for x in r.stdout.split()[-2:]]
-        return peak - base
-    used = peak_above_baseline(f"convert_hf_checkpoint.main(['--checkpoint-dir', {str(src)!r}, "
-                               "'--shard-size-mb', '32'])")
+
+def peak_memory_of_converting(src) -> int:
+    return peak_memory_of(f"convert_hf_checkpoint.main(['--checkpoint-dir', {str(src)!r}, "
+                          "'--shard-size-mb', '32'])")
+
+
+def test_convert_memory_stays_bounded(tmp_path):
+    """Converting a ~650 MB sharded checkpoint takes far less memory than its size (a tensor at a time)."""
+    args = ModelArgs(hidden_size=512, intermediate_size=2048, num_hidden_layers=40, num_attention_heads=8,
+                     num_key_value_heads=4, head_dim=64, vocab_size=8000, tie_word_embeddings=False)
+    src = tmp_path / "big"
+    total, weight_map = write_random_snapshot(src, args)
+    assert total > 500e6
+    used = peak_memory_of_converting(src)
     assert used < 0.25 * total, (used, total)
     shards = repr(str(src) + "/*.safetensors")
-    used = peak_above_baseline("from safetensors.torch import load_file; import glob; w = [[t.clone() "
-                               f"for t in load_file(f).values()] for f in glob.glob({shards})]")
+    used = peak_memory_of("from safetensors.torch import load_file; import glob; w = [[t.clone() "
+                          f"for t in load_file(f).values()] for f in glob.glob({shards})]")
     assert used > 0.8 * total  # while loading it whole does show up: the measurement can fail
     model = load(str(src / "converted"))  # and the result is complete
-    assert model.layers[39].mlp.gate_up_proj.weight.shape == (4096, 512)
+    last = model.layers[39].mlp.gate_up_proj.weight
+    up = "model.layers.39.mlp.up_proj.weight"
+    assert torch.equal(last[-2048:], load_file(src / weight_map[up])[up])
+
+
+def test_convert_moe_memory_does_not_grow_with_the_model(tmp_path):
+    """A MoE checkpoint of 3,840 expert tensors (64 experts x 3 x 20 layers, 550 MB) converts in the memory of
+    one of half its layers: a layer's experts at a time, stacked."""
+    used, total = {}, {}
+    for layers in (10, 20):
+        args = ModelArgs(hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+                         num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=8000,
+                         num_experts=64, moe_intermediate_size=128)
+        src = tmp_path / f"moe{layers}"
+        total[layers], weight_map = write_random_snapshot(src, args)
+        used[layers] = peak_memory_of_converting(src)
+    assert used[20] - used[10] < 0.1 * (total[20] - total[10]), (used, total)
+    model = load(str(src / "converted"))  # and the result is complete, the experts in order
+    last = model.layers[19].mlp.gate_up_proj.weight
+    assert last.shape == (64, 256, 256)
+    up = "model.layers.19.mlp.experts.63.up_proj.weight"
+    assert torch.equal(last[63, 128:], load_file(src / weight_map[up])[up])
 
 
 @pytest.fixture
@@ -418,7 +456,7 @@ def convert_error(argv, capsys):
 
 
 def test_convert_rejects_other_architectures(snapshot, capsys):
-    for arch in ["Qwen2ForCausalLM", "Qwen3MoeForCausalLM"]:
+    for arch in ["Qwen2ForCausalLM", "Qwen3MoeForCausalLM"]:  # the latter with model_type qwen3
         cfg = json.load(open(snapshot / "config.json"))
         cfg["architectures"] = [arch]
         json.dump(cfg, open(snapshot / "config.json", "w"))
@@ -457,6 +495,21 @@ def test_convert_bad_inputs_one_line_and_nothing_written(snapshot, tmp_path, cap
     assert "no *.safetensors weights found (safetensors only" in convert_error(argv, capsys)
     (snapshot / "config.json").write_text("{not json")
     assert "not a readable JSON file" in convert_error(argv, capsys)
+
+
+def test_convert_moe_names_a_missing_or_misshapen_expert_tensor(tmp_path, capsys):
+    src = tmp_path / "hf"
+    hf_checkpoint(str(src), tokenizer=False, moe={})
+    out = tmp_path / "out"
+    argv = ["--checkpoint-dir", str(src), "--output", str(out)]
+    tensors = load_file(src / "model.safetensors")
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    save_file({k: t for k, t in tensors.items() if k != name}, src / "model.safetensors")
+    assert f"the checkpoint lacks {name}" in convert_error(argv, capsys)
+    save_file({**tensors, name: tensors[name][:-1]}, src / "model.safetensors")  # a row short
+    message = convert_error(argv, capsys)
+    assert name in message and "does not have the shape" in message
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".converting")]
 
 
 def test_convert_never_replaces_anything(snapshot, tmp_path, capsys, monkeypatch):
@@ -502,43 +555,10 @@ def test_convert_cli_prints_one_line(snapshot):
     one_line_error(r, "Qwen2ForCausalLM")
 
 
-def fake_hub(tmp_path, source=None):
-    """A huggingface_hub package whose snapshot_download copies `source` (or fails, as offline)."""
-    package = tmp_path / "fake_hub" / "huggingface_hub"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text(textwrap.dedent(f"""
-        import shutil
-        class LocalEntryNotFoundError(Exception):
-            pass
-        def snapshot_download(repo, local_dir, allow_patterns):
-            if {str(source) if source else None!r} is None:
-                raise LocalEntryNotFoundError("Cannot find the requested files in the disk cache and "
-                                              "outgoing traffic has been disabled.\\nMore lines.")
-            shutil.copytree({str(source)!r}, local_dir)
-            return local_dir"""))
-    return {"PYTHONPATH": str(package.parent)}
-
-
-def test_convert_repo_downloads_first(tmp_path):
-    """--repo hands the snapshot that huggingface_hub downloads to the converter (the hub itself is faked)."""
-    hf_checkpoint(str(tmp_path / "hub"), tokenizer=False)
-    work = tmp_path / "work"
-    work.mkdir()
-    r = cli("--repo", "Qwen/Qwen3-tiny", script=os.path.join(HERE, "convert_hf_checkpoint.py"), cwd=work,
-            env=fake_hub(tmp_path, tmp_path / "hub"))
-    assert r.returncode == 0, r.stderr
-    assert load(str(work / "checkpoints" / "Qwen" / "Qwen3-tiny" / "converted")).args.num_hidden_layers == 2
-    offline = cli("--repo", "Qwen/Qwen3-tiny", script=os.path.join(HERE, "convert_hf_checkpoint.py"),
-                  cwd=tmp_path, env=fake_hub(tmp_path / "offline"))
-    one_line_error(offline, "cannot download Qwen/Qwen3-tiny (LocalEntryNotFoundError")
-
-
-# ---------------------------------------------------------------- converter: int8 weight-only quantization
-
-@pytest.mark.parametrize("tied", [False, True])
-def test_int8_quality_against_fp32(tmp_path, tied):
+@pytest.mark.parametrize("tied,moe", [(False, None), (True, None), (False, {"mlp_only_layers": [0]})])
+def test_int8_quality_against_fp32(tmp_path, tied, moe):
     hf, path = converted(tmp_path, tokenizer=False, hidden=128, heads=8, kv_heads=2, head_dim=32, layers=4,
-                         vocab=2048, tied=tied)
+                         vocab=2048, tied=tied, moe=moe)
     convert.convert(str(tmp_path / "hf"), str(tmp_path / "int8"), int8=True)
     q8 = load(str(tmp_path / "int8"))
     assert q8.layers[0].self_attn.qkv_proj.weight.dtype == torch.int8
@@ -554,10 +574,14 @@ def test_int8_quality_against_fp32(tmp_path, tied):
     assert cos >= 0.999 and rel < 0.05
     agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()  # next-token choices on the same prefixes
     assert agree >= 0.9
-    out_ref = greedy(path, [prompt[:8]], max_new=64)[0]
-    out_q8 = greedy(str(tmp_path / "int8"), [prompt[:8]], max_new=64)[0]
-    same = next((i for i, (x, y) in enumerate(zip(out_ref, out_q8, strict=True)) if x != y), len(out_ref))
-    assert same >= 16
+    # Free decoding from 8 prompts: how long int8 keeps fp32's greedy tokens. A random tiny model has
+    # near-ties (and in MoE, near-tied routing) that int8 flips early on some prompts: the median is long.
+    prompts = [prompt[i:i + 8] for i in range(0, 64, 8)]
+    out_ref = greedy(path, prompts, max_new=64)
+    out_q8 = greedy(str(tmp_path / "int8"), prompts, max_new=64)
+    same = [next((i for i, (x, y) in enumerate(zip(r, q, strict=True)) if x != y), len(r))
+            for r, q in zip(out_ref, out_q8, strict=True)]
+    assert sorted(same)[4] >= 8, same
     def size(d):
         return sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d) if f.endswith(".safetensors"))
     quantized = sum(p.numel() for n, p in ref.named_parameters()
@@ -708,16 +732,6 @@ def test_batch_rows_equal_single_runs(tiny):
     assert len(batch[0]) < 20  # row 0 stopped on its own while the others went on
 
 
-def test_chat_turns_reuse_the_cache(tiny):
-    """A second turn prefilled after the cached history gives what prefilling the whole conversation gives."""
-    gen = generator(tiny)
-    turn1, turn2 = [5, 6, 7, 8], [9, 10, 11]
-    reply1 = gen.generate([turn1], max_new=8, stop_ids=set())[0][0]
-    fed = 7  # max_new 8: the last reply token was never fed back
-    reply2 = gen.generate([reply1[fed:] + turn2], max_new=10, stop_ids=set(), starts=[len(turn1) + fed])[0][0]
-    assert reply2 == greedy(tiny, [turn1 + reply1 + turn2], max_new=10)[0]
-
-
 def test_generation_stats_count_the_first_step_apart(tiny):
     _, stats = generator(tiny).generate([[1, 2, 3]], max_new=10, stop_ids=set(), check_every=4)
     assert stats.decode_steps == 8  # 10 tokens: one from prefill, one from the first step, 8 timed after it
@@ -728,25 +742,22 @@ def test_generation_stats_count_the_first_step_apart(tiny):
 @pytest.mark.parametrize("prompts", [[[1, 2, 3, 4]], [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11]]],
                          ids=["batch1", "batch2"])
 @pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe"])
-def test_cuda_eager_compile_graph_identical_greedy(checkpoint, prompts, request):
+def test_cuda_eager_and_compile_identical_greedy(checkpoint, prompts, request):
     """Batch 1 runs the Triton decode kernels, batch 2 PyTorch's ops."""
     path = request.getfixturevalue(checkpoint)
     # crosses the 256 -> 512 bucket
     eager = greedy(path, prompts, max_new=300, device="cuda", use_kernels=True)
-    for compile, graph in [(True, False), (False, True), (True, True)]:
-        got = greedy(path, prompts, max_new=300, device="cuda", use_kernels=True, compile=compile,
-                     cuda_graph=graph)
-        assert got == eager
+    assert greedy(path, prompts, max_new=300, device="cuda", use_kernels=True, compile=True) == eager
 
 
 @needs_cuda
-@pytest.mark.parametrize("mode", ["eager", "graph", "compile", "compile+graph"])
+@pytest.mark.parametrize("mode", ["eager", "compile"])
 def test_cuda_sampling_is_seeded_and_fresh_every_step(tiny, mode):
     """Sampled decoding in every mode: the same seed gives the same tokens, another seed others, and each step
     draws new noise (a graph that replayed one captured draw would repeat itself)."""
     sampling = G.SamplingParams(temperature=1.0, top_k=20, top_p=0.95)
     gen = generator(tiny, sampling=sampling, device="cuda", dtype=torch.bfloat16, use_kernels=True,
-                    compile="compile" in mode, cuda_graph="graph" in mode)
+                    compile=mode == "compile")
     runs = []
     for seed in (0, 0, 1):
         torch.manual_seed(seed)
@@ -756,13 +767,12 @@ def test_cuda_sampling_is_seeded_and_fresh_every_step(tiny, mode):
 
 
 @needs_cuda
-@pytest.mark.parametrize("mode", ["eager", "graph", "compile"])
+@pytest.mark.parametrize("mode", ["eager", "compile"])
 @pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe"])
 def test_cuda_no_host_sync_inside_decode_steps(checkpoint, mode, request):
     sampling = G.SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
     gen = generator(request.getfixturevalue(checkpoint), capacity=1024, sampling=sampling, device="cuda",
-                    dtype=torch.bfloat16, use_kernels=True, compile=mode == "compile",
-                    cuda_graph=mode == "graph")
+                    dtype=torch.bfloat16, use_kernels=True, compile=mode == "compile")
     gen.generate([[1, 2, 3]], max_new=40, stop_ids=set())  # warm-up: compile and capture
     inner = gen.step
 
@@ -786,10 +796,7 @@ def test_cuda_int8_modes_identical_greedy(tmp_path, moe):
     # fp32: in bf16 the fused dequantising reduction rounds once where eager rounds after the matmul and again
     # after the scale, which flips near-tied greedy choices of a random model.
     eager = greedy(q8, [[1, 2, 3]], max_new=40, device="cuda", use_kernels=True)
-    for compile, graph in [(True, False), (False, True), (True, True)]:
-        got = greedy(q8, [[1, 2, 3]], max_new=40, device="cuda", use_kernels=True, compile=compile,
-                     cuda_graph=graph)
-        assert got == eager
+    assert greedy(q8, [[1, 2, 3]], max_new=40, device="cuda", use_kernels=True, compile=True) == eager
 
 
 # ---------------------------------------------------------------- command line
@@ -852,63 +859,6 @@ def test_chat_template():
                                               "<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
-def test_cli_interactive(tiny):
-    r = cli("--device", "cpu", "--checkpoint", tiny, "--interactive", "--max-new-tokens", "6",
-            "--temperature", "0", stdin="hello\nworld\n")
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.count("> ") == 3  # two answered turns, then end of input
-
-
-def test_cli_interactive_ctrl_c_stops_a_reply_and_a_full_cache_starts_over(tiny):
-    # Ctrl-C in the first reply, after its first tokens: back to the prompt, and the conversation goes on.
-    r = with_patch(CTRL_C_AT_THE_SECOND_CHECK, "generate.py", "--device", "cpu", "--checkpoint", tiny,
-                   "--interactive", "--max-new-tokens", "40", "--check-every", "2", "--temperature", "0",
-                   stdin="hello\nworld\n")
-    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
-    assert r.stdout.count("> ") == 3
-    # A cache of 64 positions: the third turn no longer fits, is refused on stderr, and the next starts over.
-    fox = "the quick brown fox jumps over the lazy dog " * 2
-    r = cli("--device", "cpu", "--checkpoint", tiny, "--interactive", "--max-new-tokens", "16",
-            "--temperature", "0", "--cache-len", "64", stdin=f"hello\nworld\n{fox}\nhello\n")
-    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
-    assert "starting a new conversation" in r.stderr and "error:" not in r.stdout
-    assert r.stdout.count("> ") == 5
-
-
-def test_interactive_reply_after_ctrl_c_continues_the_conversation(tiny, monkeypatch):
-    """The turn after a reply stopped by Ctrl-C sees the conversation as it was shown: the same greedy tokens
-    as prefilling turn 1, the partial reply and turn 2 from scratch."""
-    turns = iter(["hello", "world"])
-
-    def typed(prompt):  # two turns, then Ctrl-D
-        try:
-            return next(turns)
-        except StopIteration:
-            raise EOFError from None
-    monkeypatch.setattr("builtins.input", typed)
-    shown, checks = [], []
-    original_call, original_finish = G.TextStream.__call__, G.TextStream.finish
-
-    def pressed(self, rows):
-        original_call(self, rows)
-        checks.append(1)
-        if len(checks) == 2:  # in the first reply
-            raise KeyboardInterrupt
-
-    def finish(self):
-        shown.append(self.rows[0])
-        original_finish(self)
-    monkeypatch.setattr(G.TextStream, "__call__", pressed)
-    monkeypatch.setattr(G.TextStream, "finish", finish)
-    G.main(["--device", "cpu", "--checkpoint", tiny, "--interactive", "--max-new-tokens", "12",
-            "--check-every", "2", "--temperature", "0"])
-    assert len(shown) == 2 and 0 < len(shown[0]) < 12  # the first reply really was cut short
-    encode, _ = G.load_tokenizer(tiny)
-    eos = json.load(open(os.path.join(tiny, "generation_config.json")))["eos_token_id"]
-    conversation = encode(G.chat_turn("hello")) + shown[0] + encode("<|im_end|>\n" + G.chat_turn("world"))
-    assert shown[1] == greedy(tiny, [conversation], max_new=12, stop_ids=eos)[0]
-
-
 def test_cli_ctrl_c_prints_what_was_generated_and_exits_130(tiny):
     args = ["--device", "cpu", "--checkpoint", tiny, "--max-new-tokens", "100", "--check-every", "2",
             "--temperature", "1", "--seed", "0"]  # sampled: a random model's greedy text may be all invisible
@@ -919,19 +869,6 @@ def test_cli_ctrl_c_prints_what_was_generated_and_exits_130(tiny):
     r = with_patch(CTRL_C_AT_THE_SECOND_CHECK, "generate.py", *args, "--prompt", "hello", "--prompt", "world")
     assert r.returncode == 130 and "Traceback" not in r.stderr, r.stderr
     assert r.stdout.startswith("--- hello\n") and "--- world\n" in r.stdout
-
-
-def test_cli_downloads_and_converts_the_default_model_on_first_use(tmp_path):
-    hf_checkpoint(str(tmp_path / "hub"), tied=True)  # what the faked hub hands out
-    work = tmp_path / "work"
-    work.mkdir()
-    args = ["--device", "cpu", "--prompt", "hello", "--max-new-tokens", "4", "--temperature", "0"]
-    r = cli(*args, cwd=work, env=fake_hub(tmp_path, tmp_path / "hub"))
-    assert r.returncode == 0, r.stderr
-    assert "downloading Qwen/Qwen3-0.6B" in r.stderr
-    assert (work / G.DEFAULT_CHECKPOINT / "config.json").is_file()
-    again = cli(*args, cwd=work)  # no hub needed now
-    assert again.returncode == 0 and "downloading" not in again.stderr and again.stdout == r.stdout
 
 
 @pytest.mark.parametrize("args,message", [
@@ -949,15 +886,11 @@ def test_cli_downloads_and_converts_the_default_model_on_first_use(tmp_path):
     (["--check-every", "0"], "--check-every: must be at least 1"),
     (["--max-new-tokens", "x"], "invalid int value"),
     (["--device", "foo"], "unknown device 'foo'"),
-    (["--cuda-graph"], "needs a CUDA device"),
     (["--checkpoint", "/nonexistent"], "no converted checkpoint"),
     (["--system", "be brief"], "go with --chat"),
-    (["--interactive"], "reads its prompts from the terminal"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
 ])
 def test_cli_bad_input_one_line(tiny, args, message):
-    if "--cuda-graph" in args and CUDA:
-        pytest.skip("CUDA is present")
     argv = ["--device", "cpu", "--checkpoint", tiny, "--prompt", "hello world", *args]
     with pytest.raises(SystemExit) as e:
         G.main(argv)
@@ -1070,43 +1003,6 @@ def test_kernel_gemv_of_picked_experts_matches_reference_ops(device, dtype, tol,
     torch.library.opcheck(torch.ops.qwen3_fast.gemv, args)
 
 
-# GQA 1, 2, 8; queries at the end of, inside and far below the attended prefix (empty splits); cache views of
-# a longer buffer with stale values everywhere, also at the positions being written; first: the first row
-ATTENTION_CASES = [(1, 4, 4, 16, 37, [36], 0), (2, 16, 8, 128, 1500, [1499, 3], 0),
-                   (1, 8, 1, 64, 256, [99], 2)]
-
-
-@pytest.mark.parametrize("device,dtype,tol", KERNEL_RUNS)
-@pytest.mark.parametrize("R,H,KV,D,L,pos,first", ATTENTION_CASES)
-def test_kernel_decode_attention_matches_reference_ops(device, dtype, tol, R, H, KV, D, L, pos, first):
-    torch.manual_seed(0)
-    qkv = torch.randn(R, 1, (H + 2 * KV) * D, device=device, dtype=dtype)
-    cache = [torch.randn(first + R + 1, KV, L, D, device=device, dtype=dtype) for _ in range(2)]
-    p = torch.tensor(pos, device=device)
-    inv_freq = 1.0 / (1e6 ** (torch.arange(0, D, 2, dtype=torch.float) / D))
-    angles = torch.cat([p.cpu()[:, None].float() * inv_freq] * 2, dim=-1)[:, None, None].to(device)
-    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-    q_norm, k_norm = M.RMSNorm(D, 1e-6), M.RMSNorm(D, 1e-6)
-    with torch.no_grad():
-        q_norm.weight.uniform_(0.5, 1.5), k_norm.weight.uniform_(0.5, 1.5)
-        q_norm, k_norm = q_norm.to(device, dtype), k_norm.to(device, dtype)
-        q, k, v = qkv.view(R, 1, -1, D).split([H, KV, KV], dim=2)  # the reference: model.py's PyTorch path
-        q, k = M.apply_rope(q_norm(q), cos, sin), M.apply_rope(k_norm(k), cos, sin)
-        ref_cache = [c.clone() for c in cache]
-        for r in range(R):
-            ref_cache[0][first + r, :, pos[r]], ref_cache[1][first + r, :, pos[r]] = k[r, 0], v[r, 0]
-        mask = (torch.arange(L, device=device) <= p[:, None])[:, None, None]
-        ref = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), ref_cache[0][first:first + R], ref_cache[1][first:first + R], attn_mask=mask,
-            enable_gqa=True)[:, :, 0]
-    args = (qkv, cache[0], cache[1], first, p, cos, sin, q_norm.weight.detach(), k_norm.weight.detach(),
-            1e-6, H)
-    assert_close(kernels.decode_attention(*args), ref, tol, "attention")
-    assert_close(cache[0], ref_cache[0], tol, "keys written")
-    assert_close(cache[1], ref_cache[1], tol, "values written")
-    torch.library.opcheck(torch.ops.qwen3_fast.decode_attention, args)
-
-
 @pytest.mark.parametrize("device,dtype,tol", KERNEL_RUNS[:2])
 @pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe"])
 def test_model_with_kernels_matches_reference_ops(checkpoint, device, dtype, tol, request):
@@ -1145,4 +1041,4 @@ def test_kernels_in_triton_interpreter():
                        env={**os.environ, "TRITON_INTERPRET": "1"})
     assert r.returncode == 0, r.stdout[-3000:]
     summary = r.stdout.strip().splitlines()[-1]
-    assert summary.startswith("9 passed") and "skipped" not in summary, summary
+    assert summary.startswith("6 passed") and "skipped" not in summary, summary

@@ -1,11 +1,11 @@
 """qwen3-fast's measurements on a CUDA GPU, with random weights of the real shapes, built on the GPU.
 
-    python bench/bench.py decode --size 8B --modes eager,graph,compile,compile+graph --peer
-    python bench/bench.py decode --size 8B --modes compile+graph --int8
-    python bench/bench.py decode --size 8B --modes compile+graph --batch 8
-    python bench/bench.py decode --size 30B-A3B --modes graph,compile --peer   # MoE
-    python bench/bench.py decode --size 0.6B --modes graph --profile      # the kernels of one step
-    python bench/bench.py decode --size 0.6B --modes graph --no-kernels   # PyTorch's ops only
+    python bench/bench.py decode --size 8B --modes eager,compile --peer
+    python bench/bench.py decode --size 8B --int8
+    python bench/bench.py decode --size 8B --batch 8
+    python bench/bench.py decode --size 30B-A3B --peer                  # MoE
+    python bench/bench.py decode --size 0.6B --profile                 # the kernels of one compiled step
+    python bench/bench.py decode --size 0.6B --no-kernels              # PyTorch's ops only
     python bench/bench.py ttft --size 8B --prompt 2048 --peer             # time to first token
     python bench/bench.py first-text --checkpoint DIR    # seconds from the command to its first text
     python bench/bench.py bandwidth                      # the decode ceiling's denominator
@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import generate as G  # noqa: E402
-from model import Linear, ModelArgs, RMSNorm, Transformer  # noqa: E402
+from model import Linear, ModelArgs, MoE, RMSNorm, Transformer  # noqa: E402
 
 PRESETS = {  # from the published config.json files; head_dim is 128 in all of them
     "0.6B": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
@@ -82,6 +82,21 @@ def random_model(size: str, int8: bool) -> Transformer:
     return model.eval()
 
 
+def weight_bytes(model: Transformer) -> int:
+    """Bytes a one-token decode step reads from the weights: all of them but the embedding (unless lm_head
+    is it), and of each MoE layer's experts the picked ones alone."""
+    def size(tensors):
+        return sum(t.numel() * t.element_size() for t in tensors)
+    total = size({t.data_ptr(): t for t in model.state_dict().values()}.values())  # lm_head may be shared
+    if not model.args.tie_word_embeddings:
+        total -= size([model.embed_tokens.weight])
+    for m in model.modules():
+        if isinstance(m, MoE):
+            experts = size([*m.gate_up_proj.state_dict().values(), *m.down_proj.state_dict().values()])
+            total -= experts * (1 - m.top_k / model.args.num_experts)
+    return int(total)
+
+
 def bandwidth() -> float:
     """GB/s read by a sum over 4 GiB: the rate at which a decode step can read its weights at best."""
     x = torch.empty(2 * 1024 ** 3, dtype=torch.bfloat16, device="cuda").normal_()
@@ -119,7 +134,7 @@ def decode(a: argparse.Namespace, mode: str) -> dict:
     model = random_model(a.size, a.int8)
     gen = G.Generator(model, batch=a.batch, capacity=a.cache,
                       sampling=G.SamplingParams() if a.greedy else SAMPLED,
-                      use_kernels=not a.no_kernels, compile="compile" in mode, cuda_graph="graph" in mode)
+                      use_kernels=not a.no_kernels, compile=mode == "compile")
     prompts = [torch.randint(0, VOCAB, (a.prompt,)).tolist() for _ in range(a.batch)]
     t = time.perf_counter()
     gen.generate(prompts, max_new=2, stop_ids=set())  # one decode step: compiles and captures
@@ -130,21 +145,21 @@ def decode(a: argparse.Namespace, mode: str) -> dict:
     best = max(rates)
     row = {"size": a.size, "mode": mode, "int8": a.int8, "batch": a.batch, "kernels": not a.no_kernels,
            "greedy": a.greedy, "decode_tok_s": round(best, 1), "aggregate_tok_s": round(best * a.batch, 1),
-           "all": [round(r, 1) for r in rates], "weights_GB": round(model.weight_bytes() / 1e9, 3),
-           "GB_s": round(best * model.weight_bytes() / 1e9, 1), "first_step_s": round(first_step_s, 1),
+           "all": [round(r, 1) for r in rates], "weights_GB": round(weight_bytes(model) / 1e9, 3),
+           "GB_s": round(best * weight_bytes(model) / 1e9, 1), "first_step_s": round(first_step_s, 1),
            "peak_memory_GB": round(torch.cuda.max_memory_allocated() / 1e9, 2)}
-    if a.profile and mode == "graph":
+    if a.profile and mode == "compile":
         row["profile"] = profile(gen, best)
     return row
 
 
 def profile(gen: G.Generator, tok_s: float) -> list:
-    """The kernels of one decode step, timed by torch.profiler without graph replay (us per step), and the
-    gaps: the step's time at `tok_s` minus its GPU time."""
+    """The kernels of one compiled decode step, timed by torch.profiler over replays of its CUDA graph (us per
+    step), and the gaps: the step's time at `tok_s` minus its GPU time."""
     kv_positions = gen.model.key_positions[:G.attended_length(512, gen.capacity)]
     with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
-            gen.step.step(kv_positions)  # the step that the CUDA graph replays
+            gen.step(kv_positions)  # replays the compiled step's CUDA graph
         torch.cuda.synchronize()
     events = prof.key_averages()
     gpu_us = sum(e.device_time_total for e in events) / 10
@@ -210,7 +225,7 @@ def first_text(a: argparse.Namespace) -> list:
     """Seconds from starting generate.py to its first streamed character, for each speed flag: cold (empty
     inductor and Triton caches) and warm (the caches the cold run filled)."""
     rows = []
-    for flags in (["--compile"], ["--cuda-graph"], ["--compile", "--cuda-graph"]):
+    for flags in ([], ["--compile"]):
         caches = tempfile.mkdtemp()
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": f"{caches}/inductor",
                "TRITON_CACHE_DIR": f"{caches}/triton"}
@@ -233,8 +248,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("what", choices=["decode", "ttft", "first-text", "bandwidth"])
     ap.add_argument("--size", default="0.6B", choices=list(PRESETS))
-    ap.add_argument("--modes", default="compile+graph",
-                    help="comma-separated: eager, graph, compile, compile+graph")
+    ap.add_argument("--modes", default="compile", help="comma-separated: eager, compile")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--cache", type=int, default=1024, help="KV cache positions")
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens")
@@ -244,7 +258,7 @@ def main():
     ap.add_argument("--int8", action="store_true")
     ap.add_argument("--greedy", action="store_true", help="greedy decoding, as the peer (default: sampled)")
     ap.add_argument("--no-kernels", action="store_true", help="PyTorch's ops instead of kernels.py")
-    ap.add_argument("--profile", action="store_true", help="with the graph mode: the kernels of one step")
+    ap.add_argument("--profile", action="store_true", help="with the compile mode: the kernels of a step")
     ap.add_argument("--peer", action="store_true", help="transformers, in the same process")
     ap.add_argument("--checkpoint", help="first-text: a converted checkpoint")
     a = ap.parse_args()
