@@ -65,7 +65,7 @@ class DecodeState:
 
 def decode_one_token(model: Transformer, state: DecodeState, kv_positions: torch.Tensor,
                      sampling: SamplingParams, use_kernels: bool) -> None:
-    """One step for every row, device-side only: eager, compiled and graphed modes all run this function."""
+    """One step for every row, device-side only: the eager and the compiled modes both run this function."""
     logits = model(state.tokens, state.positions, kv_positions, use_kernels=use_kernels)
     token = sample(logits[:, -1], sampling)
     state.tokens.copy_(token[:, None])
@@ -76,7 +76,7 @@ def decode_one_token(model: Transformer, state: DecodeState, kv_positions: torch
 
 def attended_length(needed: int, capacity: int) -> int:
     """Attention reads a power-of-two prefix of the cache (at least 256): cost follows the live length, not
-    the capacity, and a compiled or graphed step sees only a few distinct shapes."""
+    the capacity, and a compiled step sees only a few distinct shapes."""
     return min(capacity, max(256, 1 << (needed - 1).bit_length()))
 
 

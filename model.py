@@ -326,8 +326,8 @@ class Transformer(nn.Module):
         from safetensors.torch import load_file
         config = pathlib.Path(path, "config.json")
         if not config.is_file():
-            raise UserError(f"no converted checkpoint at {path}: convert one with convert_hf_checkpoint.py "
-                            "and pass its output directory to --checkpoint")
+            raise UserError(f"no converted checkpoint at {path}: download a Hugging Face snapshot, convert "
+                            "it with convert_hf_checkpoint.py, and pass its output directory to --checkpoint")
         cfg = read_json(config)
         if "quantization" not in cfg:  # every config.json our converter writes has it
             raise UserError(f"{path} is a Hugging Face snapshot: convert it first "
