@@ -704,7 +704,9 @@ def test_greedy_decode_equals_full_recomputation(tiny):
         seq.append(t)
 
 
-def test_compile_matches_eager_on_cpu(tiny):
+@pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe"])
+def test_compile_matches_eager_on_cpu(checkpoint, request):
+    tiny = request.getfixturevalue(checkpoint)
     from torch._dynamo.utils import counters
     counters.clear()
     prompts = [[7, 8, 9], [4, 4, 4, 4, 4, 4, 4]]
@@ -801,7 +803,9 @@ def test_cuda_int8_modes_identical_greedy(tmp_path, moe):
 
 # ---------------------------------------------------------------- command line
 
-def test_cli_end_to_end_streams_the_generated_text(tiny):
+@pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe"])
+def test_cli_end_to_end_streams_the_generated_text(checkpoint, request):
+    tiny = request.getfixturevalue(checkpoint)
     r = cli("--device", "cpu", "--checkpoint", tiny, "--prompt", "hello world", "--max-new-tokens", "12",
             "--temperature", "0")
     assert r.returncode == 0, r.stderr
