@@ -23,8 +23,7 @@ from safetensors.torch import save_file
 from model import ModelArgs, Transformer, UserError, quantize_int8, read_json
 
 FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
-COPIED = ["tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
-          "generation_config.json"]
+COPIED = ["tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "generation_config.json"]
 
 
 def hf_names(name: str, experts: int) -> list[str]:
@@ -101,11 +100,12 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
                 raise UserError(f"{src}: the checkpoint lacks {missing[0]}")
             tensors = [read_tensor(files[hf], hf) for hf in parts]
             meta = expected[name]
-            part_shape = (meta.numel() // meta.shape[-1] // len(parts), meta.shape[-1])  # an expert's part
-            wrong = [hf for hf, t in zip(parts, tensors, strict=True) if t.shape != part_shape]
-            if meta.dim() == 3 and wrong:
-                raise UserError(f"{files[wrong[0]]}: {wrong[0]} does not have the shape {part_shape} that "
-                                "config.json implies")
+            if meta.dim() == 3:  # stacked experts: every part has one shape, so name the one that differs
+                part_shape = (meta.numel() // meta.shape[-1] // len(parts), meta.shape[-1])
+                wrong = [hf for hf, t in zip(parts, tensors, strict=True) if t.shape != part_shape]
+                if wrong:
+                    raise UserError(f"{files[wrong[0]]}: {wrong[0]} does not have the shape {part_shape} "
+                                    "that config.json implies")
             w = torch.cat(tensors)  # experts: (experts x rows, columns)
             if w.numel() != meta.numel() or w.shape[-1] != meta.shape[-1]:
                 raise UserError(f"{src}: {name} has shape {tuple(w.shape)}; config.json implies "

@@ -110,8 +110,6 @@ GEMV_CONFIGS = {  # BN: weight rows per program, BK: weight words per block
 }
 
 
-# Custom ops: torch.compile calls them as they are, instead of analysing the kernels at each of their call
-# sites (five a layer), which would be most of its compile time.
 def gemv_shape(x: Tensor, weight: Tensor, router: Tensor | None, top_k: int, routed: bool) -> list[int]:
     if router is None:
         return [*x.shape[:-1], weight.shape[-2]]
@@ -120,6 +118,8 @@ def gemv_shape(x: Tensor, weight: Tensor, router: Tensor | None, top_k: int, rou
     return [top_k, weight.shape[-2]]
 
 
+# A custom op: torch.compile calls it as it is, instead of analysing the kernel at each of its call sites
+# (four or five a layer), which would be most of its compile time.
 @torch.library.custom_op("qwen3_fast::gemv", mutates_args=())
 def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | None = None, eps: float = 0.0,
          gated: bool = False, residual: Tensor | None = None, router: Tensor | None = None, top_k: int = 0,
@@ -127,7 +127,7 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | 
     """residual + (weight @ a) * scale for one token x (1, 1, K), where a is RMSNorm(x) * norm with `norm`,
     silu(gate) * up of x = [gate, up] with `gated`, else x. weight (N, K) in x's dtype, or int8 (K a multiple
     of 4) with a `scale` per row. MoE: weight (experts, N, K), and the `router` logits (experts,) pick top_k
-    of them (see MoE.route): (top_k, N), one output per pick; or, `routed`, with x (top_k, K), the picks'
+    of them as MoE.forward does: (top_k, N), one output per pick; or, `routed`, with x (top_k, K), the picks'
     sum weighted by their routing weights (1, 1, N)."""
     N, K = weight.shape[-2:]
     out = x.new_empty(gemv_shape(x, weight, router, top_k, routed))

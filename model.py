@@ -167,7 +167,7 @@ class ForwardContext:
     cos: Tensor  # (R, T, 1, head_dim) RoPE at those positions
     sin: Tensor
     mask: Tensor  # (R, 1, T, kv_len), True where a token may attend
-    fused: bool  # one token on CUDA: the Triton kernels run
+    fused: bool  # one token on CUDA: the projections run as the Triton kernel
 
 
 class Attention(nn.Module):
