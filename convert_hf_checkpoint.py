@@ -5,25 +5,27 @@ MoE layer's experts stacked; safetensors).
     python convert_hf_checkpoint.py --checkpoint-dir checkpoints/Qwen/Qwen3-8B --int8   # .../converted-int8
 
 Tensors are read one at a time and written in shards, so memory stays near one shard whatever the model's
-size. The output is written beside its destination and renamed into place when complete; nothing that
-exists is replaced.
+size. The output is written to a hidden directory beside its destination (inside it, if it is an empty
+directory) and moved into place when complete; nothing that exists is replaced, and a failure, Ctrl-C or a
+SIGTERM or SIGHUP leaves nothing behind.
 """
-import argparse
 import dataclasses
 import json
 import os
 import pathlib
 import shutil
+import signal
 import sys
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from generate import POSITIVE, ArgumentParser
 from model import ModelArgs, Transformer, UserError, quantize_int8, read_json
 
 FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
-COPIED = ["tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "generation_config.json"]
+COPIED = ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"]
 
 
 def hf_names(name: str, experts: int) -> list[str]:
@@ -61,11 +63,20 @@ def list_tensors(src: pathlib.Path) -> dict[str, str]:
     return tensors
 
 
+def save_shard(tensors: dict, file: pathlib.Path) -> None:
+    try:
+        save_file(tensors, file)
+    except Exception as e:  # safetensors' own error type, for a full disk too
+        raise UserError(f"cannot write {file}: {e}") from None
+
+
 def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) -> None:
     src = pathlib.Path(src)
-    out = pathlib.Path(out)
+    out = pathlib.Path(os.path.abspath(out))  # "." has no name to put beside it
     if not (src / "config.json").is_file():
         raise UserError(f"{src}: no config.json; point --checkpoint-dir at a Hugging Face Qwen3 snapshot")
+    if not (src / "tokenizer.json").is_file():
+        raise UserError(f"{src}: no tokenizer.json, which generate.py needs; download the whole snapshot")
     cfg = read_json(src / "config.json")
     if "quantization_config" in cfg:
         raise UserError(f"{src}: quantized Hugging Face checkpoints are not supported; use the bf16 one")
@@ -84,7 +95,9 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
     unknown = files.keys() - {hf for names in sources.values() for hf in names} - {"lm_head.weight"}
     if unknown:
         raise UserError(f"{files[min(unknown)]}: tensor {min(unknown)} has no place in a Qwen3 model")
-    tmp = out.with_name(f".converting-{out.name}-{os.getpid()}")
+    # Written into a hidden directory, inside `out` if it is an empty directory already, else beside it.
+    tmp = (out if out.is_dir() else out.parent) / f".converting-{out.name}-{os.getpid()}"
+    made = [p for p in out.parents if not p.exists()]  # the directories we create, deepest first
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
@@ -117,41 +130,63 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
             shard[name] = w.contiguous()
             size += w.numel() * w.element_size()
             if size >= shard_bytes:
-                save_file(shard, tmp / f"model-{n_shards:05d}.safetensors")
+                save_shard(shard, tmp / f"model-{n_shards:05d}.safetensors")
                 shard = {}
                 size = 0
                 n_shards += 1
         if shard:
-            save_file(shard, tmp / f"model-{n_shards:05d}.safetensors")
+            save_shard(shard, tmp / f"model-{n_shards:05d}.safetensors")
         (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
         for name in COPIED:
             if (src / name).is_file():
                 shutil.copy(src / name, tmp)
-        tmp.rename(out)  # only now that it is complete (an empty directory there is replaced)
-    except BaseException:
+        if tmp.parent == out:  # only now that it is complete
+            for file in tmp.iterdir():
+                file.rename(out / file.name)
+            tmp.rmdir()
+        else:
+            tmp.rename(out)
+    except BaseException:  # an error, Ctrl-C, or Stopped by a signal
         shutil.rmtree(tmp, ignore_errors=True)
+        for directory in made:
+            try:
+                directory.rmdir()
+            except OSError:  # something else was put there meanwhile: it stays, and its parents
+                break
         raise
 
 
+class Stopped(BaseException):
+    """SIGTERM or SIGHUP (a closed terminal, `timeout`, a job scheduler): raised like Ctrl-C's
+    KeyboardInterrupt, so that convert cleans up after it as it does after Ctrl-C."""
+
+
+def on_signal(signum, frame):
+    raise Stopped(signum)
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint-dir", help="a Hugging Face Qwen3 snapshot (config.json + *.safetensors)")
     ap.add_argument("--output", help="where to write (default: CHECKPOINT_DIR/converted, or converted-int8)")
     ap.add_argument("--int8", action="store_true", help="int8 weight-only (the blocks, an untied lm_head)")
-    ap.add_argument("--shard-size-mb", type=int, default=2048, help="size of each output file")
-    a = ap.parse_args(argv)
+    ap.add_argument("--shard-size-mb", type=POSITIVE, default=2048, help="size of each output file")
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)
     try:
+        a = ap.parse_args(argv)
         if not a.checkpoint_dir:
             raise UserError("give --checkpoint-dir DIR, a Hugging Face snapshot")
         out = a.output or os.path.join(a.checkpoint_dir, "converted-int8" if a.int8 else "converted")
         convert(a.checkpoint_dir, out, a.int8, a.shard_size_mb << 20)
-    except UserError as e:
-        sys.exit(f"error: {e}")
-    except OSError as e:  # a full disk, say: the partial output is removed already
+    except (UserError, OSError) as e:  # OSError: a full disk, say; the partial output is removed already
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
         print("interrupted: nothing was written", file=sys.stderr)
         sys.exit(130)
+    except Stopped as e:
+        print(f"stopped by signal {e.args[0]}: nothing was written", file=sys.stderr)
+        sys.exit(128 + e.args[0])
     print(f"wrote {out}")
 
 

@@ -1,20 +1,43 @@
-"""Generates text with Qwen3, fast: a compiled decode step that never syncs with the host.
+"""Generates text with Qwen3, fast: a decode step that never syncs with the host, compiled or graphed.
 
     python generate.py --compile --prompt "Hello, my name is"  # the converted checkpoints/Qwen/Qwen3-0.6B
     python generate.py --compile --chat --no-think --prompt "Why is the sky blue?" --prompt "Hi!"  # a batch
 """
 import argparse
+import dataclasses
+import json
 import math
+import os
 import pathlib
 import re
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
-import kernels
-from model import Transformer, UserError, read_json
+from model import Transformer, UserError, kernels_available, read_json
+
+
+def checked(kind, requirement: str, valid):
+    """An argparse type: the text as `kind`, refused unless valid(value)."""
+    def parse(text: str):
+        value = kind(text)
+        if not valid(value):  # nan fails every comparison
+            raise argparse.ArgumentTypeError(f"must be {requirement}, not {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names it when the text isn't a number at all
+    return parse
+
+
+POSITIVE = checked(int, "at least 1", lambda v: v >= 1)
+# Each sampling setting's check, the same for a flag and for generation_config.json. Below 0.001, logits /
+# temperature overflows fp32 (and would be greedy anyway): 0 is greedy.
+SAMPLING_CHECKS = {
+    "temperature": checked(float, "0 (greedy) or at least 0.001", lambda v: v == 0 or 1e-3 <= v < math.inf),
+    "top_k": checked(int, ">= 0", lambda v: v >= 0),
+    "top_p": checked(float, "in (0, 1]", lambda v: 0 < v <= 1),
+}
 
 
 @dataclass
@@ -23,17 +46,54 @@ class SamplingParams:
     top_k: int = 0  # 0 keeps every token
     top_p: float = 1.0  # 1 keeps every token
 
+    @classmethod
+    def from_generation_config(cls, generation_config: dict) -> "SamplingParams":
+        """A checkpoint's defaults: its generation_config.json's settings where it samples, else greedy."""
+        params = cls()
+        for name, check in SAMPLING_CHECKS.items():
+            value = generation_config.get(name)
+            if value is not None and generation_config.get("do_sample", True):
+                try:  # as JSON text, a flag's check refuses strings, booleans and lists too
+                    setattr(params, name, check(json.dumps(value)))
+                except (ValueError, argparse.ArgumentTypeError) as e:
+                    raise UserError(f"generation_config.json: {name} {value!r}: {e}") from None
+        return params
+        for name, check in SAMPLING_CHECKS.items():
+            value = generation_config.get(name)
+            if value is None:
+                continue
+            try:
+                if type(value) not in (int, float):
+                    raise ValueError("not a number")
+                setattr(params, name, check(str(value)))
+            except (ValueError, argparse.ArgumentTypeError) as e:
+                raise UserError(f"generation_config.json: {name} {value!r}: {e}") from None
+        return params
 
-def resolve_sampling(a: argparse.Namespace, generation_config: dict) -> SamplingParams:
-    """Each flag where given, else the checkpoint's generation_config.json where it samples, else greedy."""
-    values = asdict(SamplingParams())
-    if generation_config.get("do_sample", True):
-        values.update({k: generation_config[k] for k in values if k in generation_config})
-    values.update({k: getattr(a, k) for k in values if getattr(a, k) is not None})
-    return SamplingParams(**values)
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (Mueller's; a bijection), in int64 arithmetic that never overflows."""
+    for _ in range(2):
+        x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
+    return (x >> 16) ^ x
 
 
-def sample(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def sampling_keys(seed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The key (R, 1) of each row's noise, from the generation's seed (1,) and the positions (R, 1) of the
+    tokens being fed: a new key at every step and in every row."""
+    rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
+    return mix32((mix32(seed ^ rows) + positions) & 0xFFFFFFFF)
+
+
+def gumbel_noise(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise for candidate token ids (R, C): a pure function of the keys (R, 1) and the ids, so
+    eager, compiled and graphed steps draw the same numbers (torch.rand's streams differ between them)."""
+    bits = mix32(keys ^ ids) >> 9  # 23 bits: (bits + 0.5) / 2^23 is exact in fp32, never 0 or 1
+    uniform = (bits.float() + 0.5) / (1 << 23)
+    return -torch.log(-torch.log(uniform))
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, keys: torch.Tensor) -> torch.Tensor:
     """Next ids (R,) from logits (R, V) without a host sync. Greedy at temperature 0; otherwise Gumbel-max:
     argmax(logits/T + g) with g ~ Gumbel(0, 1) is an exact draw from softmax(logits/T). top-k and top-p keep
     static shapes: the candidates come from topk (a full sort for top-p alone), the rest masked out."""
@@ -41,13 +101,15 @@ def sample(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         return logits.argmax(-1)
     scores = logits.float() / params.temperature
     vocab = logits.shape[-1]
-    if not (0 < params.top_k < vocab or params.top_p < 1):  # nothing to filter: no sort
-        return (scores - torch.log(-torch.log(torch.rand_like(scores)))).argmax(-1)
-    scores, ids = scores.topk(params.top_k if 0 < params.top_k < vocab else vocab)  # sorted, largest first
+    if 0 < params.top_k < vocab or params.top_p < 1:
+        # sorted, largest first
+        scores, ids = scores.topk(params.top_k if 0 < params.top_k < vocab else vocab)
+    else:  # nothing to filter: no sort
+        ids = torch.arange(vocab, device=logits.device).expand_as(scores)
     if params.top_p < 1:  # keep the smallest head whose mass reaches top_p (the first candidate always stays)
         probs = scores.softmax(-1)
         scores = scores.masked_fill(probs.cumsum(-1) - probs >= params.top_p, float("-inf"))
-    choice = (scores - torch.log(-torch.log(torch.rand_like(scores)))).argmax(-1)
+    choice = (scores + gumbel_noise(keys, ids)).argmax(-1)
     return ids.gather(-1, choice[:, None])[:, 0]
 
 
@@ -59,15 +121,16 @@ class DecodeState:
         self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)  # and its position
         self.out = torch.zeros(batch, capacity, dtype=torch.long, device=device)  # the tokens generated
         self.step = torch.zeros(1, dtype=torch.long, device=device)  # the column of `out` the next goes to
-        for t in (self.tokens, self.positions, self.out, self.step):  # cudagraph trees: inputs, not copies
+        self.seed = torch.zeros(1, dtype=torch.long, device=device)  # the generation's, for sampling_keys
+        for t in (self.tokens, self.positions, self.out, self.step, self.seed):  # cudagraph trees: inputs
             torch._dynamo.mark_static_address(t)
 
 
 def decode_one_token(model: Transformer, state: DecodeState, kv_positions: torch.Tensor,
                      sampling: SamplingParams, use_kernels: bool) -> None:
-    """One step for every row, device-side only: the eager and the compiled modes both run this function."""
+    """One step for every row, device-side only: the eager, compiled and graphed modes all run this."""
     logits = model(state.tokens, state.positions, kv_positions, use_kernels=use_kernels)
-    token = sample(logits[:, -1], sampling)
+    token = sample(logits[:, -1], sampling, sampling_keys(state.seed, state.positions))
     state.tokens.copy_(token[:, None])
     state.positions.add_(1)
     state.out.index_copy_(1, state.step, token[:, None])
@@ -85,21 +148,26 @@ class GenerationStats:
     prefill_s: float  # the prompts in, each row's first token out: the time to first token
     first_step_s: float  # the first decode step, where compilation and graph capture happen
     decode_s: float  # every later decode step
-    decode_steps: int
+    decode_steps: int  # the steps timed in decode_s (each gives every row a token)
 
 
 class Generator:
     """Prefill and the decode loop for up to `batch` prompts at once, in a cache of `capacity` positions.
-    use_kernels: the Triton kernels run wherever they apply (one token of one row) - the caller's decision."""
+    use_kernels: whether the Triton kernels run where they apply (one token of one row); by default, wherever
+    they can (model.kernels_available). compile: the decode step under torch.compile (reduce-overhead)."""
 
     def __init__(self, model: Transformer, *, batch: int, capacity: int, sampling: SamplingParams,
-                 use_kernels: bool, compile: bool = False):
+                 use_kernels: bool | None = None, compile: bool = False):
+        device = model.norm.weight.device
+        if use_kernels is None:
+            use_kernels = kernels_available(device)
         model.setup_cache(batch, capacity)
         self.model = model
+        self.batch = batch
         self.capacity = capacity
         self.sampling = sampling
         self.use_kernels = use_kernels
-        self.state = DecodeState(batch, capacity, model.norm.weight.device)
+        self.state = DecodeState(batch, capacity, device)
 
         def step(kv_positions):
             decode_one_token(model, self.state, kv_positions, sampling, use_kernels)
@@ -113,28 +181,40 @@ class Generator:
         torch._dynamo.maybe_mark_dynamic(kv_positions, 0)  # compile once for every attended length
         self.step(kv_positions)
 
+    def prefill(self, prompts: list[list[int]]) -> None:
+        """Each prompt into its cache row, a row at a time; each row's first token sampled into the state."""
+        state = self.state
+        device = state.tokens.device
+        for row, tokens in enumerate(prompts):
+            positions = torch.arange(len(tokens), device=device)[None]
+            logits = self.model(torch.tensor([tokens], device=device), positions,
+                                self.model.key_positions[:len(tokens)], rows=slice(row, row + 1),
+                                last_only=True, use_kernels=self.use_kernels)
+            keys = sampling_keys(state.seed, positions[:, -1:])
+            state.tokens[row] = sample(logits[:, -1], self.sampling, keys)
+        state.positions.zero_()
+        state.positions[:len(prompts), 0] = torch.tensor([len(p) for p in prompts], device=device)
+        state.out[:, 0] = state.tokens[:, 0]
+        state.step.fill_(1)
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], *, max_new: int, stop_ids: set, check_every: int = 16,
                  on_tokens=None) -> tuple[list[list[int]], GenerationStats]:
         """Each prompt in its own cache row at its own length until every row has produced a stop token or
         max_new tokens. Returns each row's new tokens, cut before its first stop token, and timings.
-        on_tokens(rows) gets the tokens so far at each check."""
-        state = self.state
+        on_tokens(rows) gets the tokens so far at each check. Sampling draws its seed from torch's random
+        generator: torch.manual_seed makes the tokens reproducible, the same in every mode."""
+        if not 1 <= len(prompts) <= self.batch or not all(prompts):
+            raise UserError(f"give 1 to {self.batch} prompts, none empty (got {len(prompts)})")
         ends = [len(prompt) for prompt in prompts]
         if max(ends) + max_new > self.capacity:
             raise UserError(f"prompt ({max(ends)} tokens) + max new tokens ({max_new}) is over the cache "
                             f"length {self.capacity}: raise --cache-len or lower --max-new-tokens")
+        state = self.state
+        state.seed.fill_(int(torch.randint(1 << 32, ())))
         sync = torch.cuda.synchronize if state.tokens.is_cuda else (lambda: None)
         t0 = time.perf_counter()
-        for row, tokens in enumerate(prompts):  # prefill, a row at a time
-            positions = torch.arange(len(tokens), device=state.tokens.device)[None]
-            logits = self.model(torch.tensor([tokens], device=positions.device), positions,
-                                self.model.key_positions[:ends[row]], rows=slice(row, row + 1),
-                                last_only=True, use_kernels=self.use_kernels)
-            state.tokens[row] = sample(logits[:, -1], self.sampling)
-        state.positions.copy_(torch.tensor(ends)[:, None])
-        state.out[:, 0] = state.tokens[:, 0]
-        state.step.fill_(1)
+        self.prefill(prompts)
         sync()
         t1 = time.perf_counter()
         produced = 1  # tokens per row in state.out
@@ -145,7 +225,7 @@ class Generator:
         t2 = time.perf_counter()
         rows = [[] for _ in prompts]
         while True:
-            new = state.out[:, len(rows[0]):produced].tolist()  # the one sync per check
+            new = state.out[:len(prompts), len(rows[0]):produced].tolist()  # the one sync per check
             rows = [r + x for r, x in zip(rows, new, strict=True)]
             stopped = [next((i for i, t in enumerate(r) if t in stop_ids), None) for r in rows]
             if on_tokens:
@@ -160,15 +240,80 @@ class Generator:
         return [r[:s] for r, s in zip(rows, stopped, strict=True)], stats
 
 
-def load_tokenizer(path: str):
-    """(encode, decode) from the checkpoint's tokenizer.json; Qwen3 adds no BOS."""
-    from tokenizers import Tokenizer
-    file = pathlib.Path(path, "tokenizer.json")
-    if not file.is_file():
-        raise UserError(f"{path}: no tokenizer.json; copy it from the Hugging Face snapshot")
-    tok = Tokenizer.from_file(str(file))
-    return (lambda s: tok.encode(s, add_special_tokens=False).ids,
-            lambda ids: tok.decode(ids, skip_special_tokens=False))
+# Qwen3's ChatML, for a checkpoint that ships no chat template of its own.
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n"
+          "{% if enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+class Tokenizer:
+    """The checkpoint's tokenizer.json (Qwen3 adds no BOS) and its chat template: chat_template.jinja, or
+    tokenizer_config.json's chat_template, else Qwen3's ChatML."""
+
+    def __init__(self, path: str):
+        import tokenizers
+        file = pathlib.Path(path, "tokenizer.json")
+        if not file.is_file():
+            raise UserError(f"{path}: no tokenizer.json; copy it from the Hugging Face snapshot")
+        try:
+            self.tokenizer = tokenizers.Tokenizer.from_file(str(file))
+        except Exception as e:  # the tokenizers library's own error type
+            raise UserError(f"{file}: not a readable tokenizer ({e}); copy it from the snapshot") from None
+        template_file = pathlib.Path(path, "chat_template.jinja")
+        config_file = pathlib.Path(path, "tokenizer_config.json")
+        config = read_json(config_file) if config_file.is_file() else {}
+        if template_file.is_file():
+            self.chat_template = template_file.read_text(encoding="utf-8")
+        else:
+            self.chat_template = config.get("chat_template") or CHATML
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def chat(self, user: str, system: str | None = None, thinking: bool = True) -> str:
+        """One user turn rendered with the chat template, opening the assistant's reply, as transformers'
+        apply_chat_template(add_generation_prompt=True) renders it; thinking=False: enable_thinking=False."""
+        import jinja2.sandbox
+        messages = [{"role": "system", "content": system}] if system else []
+        messages.append({"role": "user", "content": user})
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                           extensions=["jinja2.ext.loopcontrols"])
+        env.globals["raise_exception"] = refuse_chat
+        try:
+            template = env.from_string(self.chat_template)
+            return template.render(messages=messages, add_generation_prompt=True, enable_thinking=thinking)
+        except jinja2.TemplateError as e:
+            raise UserError(f"the checkpoint's chat template fails: {e}") from None
+
+
+def refuse_chat(message: str):
+    """raise_exception() of a chat template, which transformers provides: the template refuses the input."""
+    raise UserError(f"the chat template refuses the conversation: {message}")
+
+
+@dataclass
+class Checkpoint:
+    """What generation needs from a converted checkpoint directory."""
+    model: Transformer
+    tokenizer: Tokenizer
+    sampling: SamplingParams  # generation_config.json's defaults, else greedy
+    stop_ids: set[int]  # the end-of-sequence tokens of config.json and generation_config.json
+
+
+def load(path: str, device="cpu", dtype: torch.dtype | None = None) -> Checkpoint:
+    """A converted checkpoint on `device`, in `dtype` (default: bf16 on CUDA, fp32 on the CPU)."""
+    if dtype is None:
+        dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    model = Transformer.from_checkpoint(path, device, dtype)
+    file = pathlib.Path(path, "generation_config.json")
+    generation_config = read_json(file) if file.is_file() else {}
+    eos = generation_config.get("eos_token_id", [])
+    stop_ids = set(model.args.eos_token_id) | set(eos if isinstance(eos, list) else [eos])
+    return Checkpoint(model=model, tokenizer=Tokenizer(path),
+                      sampling=SamplingParams.from_generation_config(generation_config), stop_ids=stop_ids)
 
 
 class TextStream:
@@ -176,10 +321,10 @@ class TextStream:
     character split across tokens decodes to U+FFFD until its last byte arrives, so trailing U+FFFD is held
     back: what is printed is always a prefix of the final text."""
 
-    def __init__(self, decode, prompts: list[str], file=sys.stdout):
+    def __init__(self, decode, prompts: list[str], file=None):
         self.decode = decode
         self.prompts = prompts
-        self.file = file
+        self.file = file or sys.stdout  # looked up now: sys.stdout may have been replaced since import
         self.rows = [[] for _ in prompts]
         self.printed = ""
 
@@ -202,25 +347,22 @@ class TextStream:
                 print(f"--- {prompt}\n{self.decode(row)}", file=self.file)
 
 
-def chat_turn(user: str, system: str | None = None, no_think: bool = False) -> str:
-    """One user turn in Qwen3's ChatML, opening the assistant's reply (no_think: an empty think block)."""
-    head = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
-    tail = "<think>\n\n</think>\n\n" if no_think else ""
-    return f"{head}<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n{tail}"
-
-
-def checked(kind, requirement: str, valid):
-    """An argparse type: the text as `kind`, refused unless valid(value)."""
-    def parse(text: str):
-        value = kind(text)
-        if not valid(value):  # nan fails every comparison
-            raise argparse.ArgumentTypeError(f"must be {requirement}, not {text}")
-        return value
-    parse.__name__ = kind.__name__  # argparse names it when the text isn't a number at all
-    return parse
-
-
-POSITIVE = checked(int, "at least 1", lambda v: v >= 1)
+def report(stats: GenerationStats, rows: list[list[int]], compiled: bool) -> str:
+    """The line on stderr after a generation: what came out, the time to first token and the decode rate."""
+    tokens = sum(map(len, rows))
+    line = f"{tokens} new token" if tokens == 1 else f"{tokens} new tokens"
+    if len(rows) > 1:
+        line += f" in {len(rows)} rows ({', '.join(str(len(r)) for r in rows)})"
+    line += f". Time to first token {stats.prefill_s:.3f} s"
+    if stats.first_step_s and compiled:
+        line += f"; the first decode step {stats.first_step_s:.2f} s (compilation and graph capture)"
+    if stats.decode_steps:
+        rate = stats.decode_steps / stats.decode_s
+        line += f"; then {rate:.1f} tok/s per row"
+        if len(rows) > 1:
+            line += f" ({rate * len(rows):.1f} in all)"
+        line += f" over {stats.decode_steps} decode steps"
+    return line + "."
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -237,14 +379,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: bf16 on CUDA, fp32")
     g = ap.add_argument_group("prompt")
     g.add_argument("--prompt", action="append", help="repeat it for a batch: one cache row per prompt")
-    g.add_argument("--chat", action="store_true", help="wrap each prompt in Qwen3's chat template")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the checkpoint's chat template")
     g.add_argument("--system", help="system message for --chat")
     g.add_argument("--no-think", action="store_true", help="with --chat: answer without a thinking block")
     g = ap.add_argument_group("sampling (defaults: the checkpoint's generation_config.json, else greedy)")
-    g.add_argument("--temperature", type=checked(float, ">= 0", lambda v: 0 <= v < math.inf), help="0 greedy")
-    g.add_argument("--top-k", type=checked(int, ">= 0", lambda v: v >= 0), help="0 keeps every token")
-    g.add_argument("--top-p", type=checked(float, "in (0, 1]", lambda v: 0 < v <= 1), help="1 keeps all")
-    g.add_argument("--seed", type=int, help="makes sampling reproducible")
+    g.add_argument("--temperature", type=SAMPLING_CHECKS["temperature"], help="0 is greedy")
+    g.add_argument("--top-k", type=SAMPLING_CHECKS["top_k"], help="0 keeps every token")
+    g.add_argument("--top-p", type=SAMPLING_CHECKS["top_p"], help="1 keeps every token")
+    g.add_argument("--seed", type=checked(int, "in [0, 2^64)", lambda v: 0 <= v < 1 << 64),
+                   help="the same seed gives the same text, in every mode")
     g.add_argument("--max-new-tokens", type=POSITIVE, default=200)
     g.add_argument("--stop-ids", type=int, nargs="*", default=[], help="stop tokens besides the model's eos")
     g = ap.add_argument_group("speed")
@@ -259,6 +402,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.device = torch.device(a.device)
     if (a.system or a.no_think) and not a.chat:
         raise UserError("--system and --no-think go with --chat")
+    for text in [*(a.prompt or []), a.system or ""]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # bytes that the terminal's encoding could not decode
+            raise UserError(f"{text!r} is not valid UTF-8 text") from None
     return a
 
 
@@ -269,6 +417,9 @@ def main(argv=None):
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:  # what was generated is printed already
         sys.exit(130)
+    except BrokenPipeError:  # stdout closed early (`| head`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        sys.exit(141)
 
 
 def run(a: argparse.Namespace) -> None:
@@ -278,29 +429,24 @@ def run(a: argparse.Namespace) -> None:
     if not (texts and all(text.strip() for text in texts)):
         raise UserError("empty prompt: give --prompt TEXT")
     print(f"loading {a.checkpoint} ...", file=sys.stderr, flush=True)
-    dtype = getattr(torch, a.dtype or ("bfloat16" if a.device.type == "cuda" else "float32"))
-    model = Transformer.from_checkpoint(a.checkpoint, a.device, dtype)
-    generation_config = {}
-    if pathlib.Path(a.checkpoint, "generation_config.json").is_file():
-        generation_config = read_json(pathlib.Path(a.checkpoint, "generation_config.json"))
-    encode, decode = load_tokenizer(a.checkpoint)
-    eos = generation_config.get("eos_token_id", [])
-    stop_ids = set(a.stop_ids) | set(eos if isinstance(eos, list) else [eos])
-    prompts = [encode(chat_turn(t, a.system, a.no_think) if a.chat else t) for t in texts]
+    checkpoint = load(a.checkpoint, a.device, getattr(torch, a.dtype) if a.dtype else None)
+    flags = {name: getattr(a, name) for name in SAMPLING_CHECKS if getattr(a, name) is not None}
+    sampling = dataclasses.replace(checkpoint.sampling, **flags)
+    tokenizer = checkpoint.tokenizer
+    if a.chat:
+        texts = [tokenizer.chat(text, a.system, thinking=not a.no_think) for text in texts]
+    prompts = [tokenizer.encode(text) for text in texts]
     capacity = a.cache_len or max(map(len, prompts)) + a.max_new_tokens  # too long: setup_cache says so
-    gen = Generator(model, batch=len(prompts), capacity=capacity,
-                    sampling=resolve_sampling(a, generation_config),
-                    use_kernels=kernels.AVAILABLE and a.device.type == "cuda", compile=a.compile)
-    stream = TextStream(decode, texts)
+    gen = Generator(checkpoint.model, batch=len(prompts), capacity=capacity, sampling=sampling,
+                    compile=a.compile)
+    stream = TextStream(tokenizer.decode, a.prompt)
     try:
-        _, stats = gen.generate(prompts, max_new=a.max_new_tokens, stop_ids=stop_ids,
-                                check_every=a.check_every, on_tokens=stream)
+        rows, stats = gen.generate(prompts, max_new=a.max_new_tokens,
+                                   stop_ids=checkpoint.stop_ids | set(a.stop_ids), check_every=a.check_every,
+                                   on_tokens=stream)
     finally:  # on Ctrl-C too: what was generated so far
         stream.finish()
-    rate = stats.decode_steps / stats.decode_s if stats.decode_steps else 0.0
-    print(f"{sum(map(len, stream.rows))} new tokens. Time to first token {stats.prefill_s:.3f} s; the first "
-          f"decode step {stats.first_step_s:.2f} s (compilation and graph capture happen there); then "
-          f"{rate:.1f} tok/s per row.", file=sys.stderr)
+    print(report(stats, rows, compiled=a.compile), file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-import kernels
+try:  # optional: without kernels.py (or Triton) every step runs PyTorch's ops
+    import kernels
+except ImportError:
+    kernels = None
 
 
 class UserError(Exception):
@@ -17,10 +20,24 @@ class UserError(Exception):
 
 
 def read_json(path) -> dict:
+    """A JSON object from a file; anything else (unreadable, not JSON, a list or a string) is a UserError."""
     try:
-        return json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
+        value = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:  # ValueError: not UTF-8, or not JSON
         raise UserError(f"{path}: not a readable JSON file ({e})") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{path}: not a JSON object but {type(value).__name__}; download or convert it again")
+    return value
+
+
+def kernels_available(device) -> bool:
+    """Whether kernels.py's Triton kernels can run on `device`: the default of every use_kernels."""
+    return kernels is not None and kernels.AVAILABLE and torch.device(device).type == "cuda"
+
+
+# The JSON types that a config.json value of a ModelArgs field may have (bool is no int here); a field
+# missing from config.json counts as 0, which passes every check.
+CONFIG_TYPES = {int: (int,), float: (int, float), bool: (bool, int), list[int]: (list, int)}
 
 
 @dataclass
@@ -43,6 +60,7 @@ class ModelArgs:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)  # dense layers of a MoE model
+    eos_token_id: list[int] = field(default_factory=list)  # the model's end-of-sequence tokens
 
     @classmethod
     def from_config(cls, cfg: dict) -> "ModelArgs":
@@ -54,17 +72,27 @@ class ModelArgs:
             raise UserError(f"{architecture} (model_type {model_type}) is not supported: only Qwen3 is "
                             "(Qwen3ForCausalLM or Qwen3MoeForCausalLM)")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}  # new style, then old
+        if not isinstance(rope, dict):
+            raise UserError(f"config.json: rope_parameters is {rope!r}, not an object")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise UserError(f"rope type {rope_type} is not supported: only default RoPE")
         if cfg.get("use_sliding_window"):
             raise UserError("sliding-window attention is not supported: set use_sliding_window to false")
-        args = cls(**{f.name: cfg[f.name] for f in fields(cls) if cfg.get(f.name) is not None})
-        args.rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", args.rope_theta)))
+        cfg = dict(cfg, rope_theta=rope.get("rope_theta", cfg.get("rope_theta")))
+        if type(cfg.get("eos_token_id")) is int:  # the hub writes one id or a list
+            cfg["eos_token_id"] = [cfg["eos_token_id"]]
+        if "num_local_experts" in cfg:  # what transformers writes for the hub's num_experts
+            cfg["num_experts"] = cfg["num_local_experts"]
+        given = {f.name: cfg[f.name] for f in fields(cls) if cfg.get(f.name) is not None}
+        for f in fields(cls):
+            value = given.get(f.name, 0)
+            if type(value) not in CONFIG_TYPES.get(f.type, (str, int)) or type(value) is int and value < 0:
+                raise UserError(f"config.json: {f.name} is {value!r}, which is not a valid value for it")
+        args = cls(**given)
+        args.rope_theta = float(args.rope_theta)
         if cfg.get("head_dim") is None:
             args.head_dim = args.hidden_size // args.num_attention_heads
-        if "num_local_experts" in cfg:  # what transformers writes for the hub's num_experts
-            args.num_experts = cfg["num_local_experts"]
         return args
 
     def is_sparse(self, layer: int) -> bool:
@@ -301,6 +329,8 @@ class Transformer(nn.Module):
         """tokens, positions: (R, T) for cache rows `rows`; kv_positions: the cache prefix to attend over (a
         slice of key_positions covering every position written so far). use_kernels: the Triton kernels run
         where they apply (a single token). Returns logits (R, T, vocab), or (R, 1, vocab) with last_only."""
+        if self.layers[0].self_attn.kv_cache is None:
+            raise RuntimeError("call setup_cache(slots, capacity) before running the model")
         fused = use_kernels and tokens.numel() == 1
         mask = (kv_positions <= positions[..., None])[:, None]  # causal: hides unwritten and stale slots too
         cos = self.rope_cos[positions][:, :, None]
@@ -357,4 +387,4 @@ class Transformer(nn.Module):
         model.load_state_dict(state, strict=True, assign=True)  # the loaded tensors themselves: no copy
         if args.tie_word_embeddings:  # assign made two Parameters of one tensor: make them one again
             model.lm_head.weight = model.embed_tokens.weight
-        return model.eval()
+        return model.eval().requires_grad_(False)
