@@ -5,10 +5,10 @@ MoE layer's experts stacked; safetensors).
     python convert_hf_checkpoint.py --checkpoint-dir checkpoints/Qwen/Qwen3-8B --int8   # .../converted-int8
 
 Tensors are read one at a time and written in shards, so memory stays near one shard whatever the model's
-size. The output is written to a hidden directory beside its destination (inside it, if it is an empty
-directory) and moved into place when complete; nothing that exists is replaced, and a failure, Ctrl-C or a
-SIGTERM or SIGHUP leaves nothing behind.
+size. The output is written to a hidden directory beside its destination and renamed into place when
+complete; nothing that exists is replaced, and a failure, Ctrl-C, SIGTERM or SIGHUP leaves nothing behind.
 """
+import contextlib
 import dataclasses
 import json
 import os
@@ -18,7 +18,7 @@ import signal
 import sys
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from generate import POSITIVE, ArgumentParser
@@ -63,13 +63,6 @@ def list_tensors(src: pathlib.Path) -> dict[str, str]:
     return tensors
 
 
-def save_shard(tensors: dict, file: pathlib.Path) -> None:
-    try:
-        save_file(tensors, file)
-    except Exception as e:  # safetensors' own error type, for a full disk too
-        raise UserError(f"cannot write {file}: {e}") from None
-
-
 def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) -> None:
     src = pathlib.Path(src)
     out = pathlib.Path(os.path.abspath(out))  # "." has no name to put beside it
@@ -83,10 +76,9 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
     if "quantization" in cfg:
         raise UserError(f"{src}: already converted; convert the Hugging Face snapshot it came from")
     args = ModelArgs.from_config(cfg)
-    if int8:
-        args.quantization = "int8"
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # the source, ".", an old conversion...
-        raise UserError(f"--output {out} exists: choose a new or empty directory (nothing is replaced)")
+    args.quantization = "int8" if int8 else None  # a snapshot's config.json has none: it was refused above
+    if out.exists():  # the source, ".", an old conversion, an empty directory...
+        raise UserError(f"--output {out} exists: choose a new path (nothing is replaced)")
     with torch.device("meta"):
         expected = Transformer(args).checkpoint_tensors()
     sources = {name: hf_names(name, meta.shape[0] if meta.dim() == 3 else 0)
@@ -95,15 +87,11 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
     unknown = files.keys() - {hf for names in sources.values() for hf in names} - {"lm_head.weight"}
     if unknown:
         raise UserError(f"{files[min(unknown)]}: tensor {min(unknown)} has no place in a Qwen3 model")
-    # Written into a hidden directory, inside `out` if it is an empty directory already, else beside it.
-    tmp = (out if out.is_dir() else out.parent) / f".converting-{out.name}-{os.getpid()}"
+    tmp = out.with_name(f".converting-{out.name}-{os.getpid()}")  # beside it, hidden
     made = [p for p in out.parents if not p.exists()]  # the directories we create, deepest first
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
-    except OSError as e:
-        raise UserError(f"cannot write {out}: {e.strerror}") from None
-    try:
         shard = {}
         size = 0
         n_shards = 0
@@ -130,39 +118,23 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
             shard[name] = w.contiguous()
             size += w.numel() * w.element_size()
             if size >= shard_bytes:
-                save_shard(shard, tmp / f"model-{n_shards:05d}.safetensors")
+                save_file(shard, tmp / f"model-{n_shards:05d}.safetensors")
                 shard = {}
                 size = 0
                 n_shards += 1
         if shard:
-            save_shard(shard, tmp / f"model-{n_shards:05d}.safetensors")
+            save_file(shard, tmp / f"model-{n_shards:05d}.safetensors")
         (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
         for name in COPIED:
             if (src / name).is_file():
                 shutil.copy(src / name, tmp)
-        if tmp.parent == out:  # only now that it is complete
-            for file in tmp.iterdir():
-                file.rename(out / file.name)
-            tmp.rmdir()
-        else:
-            tmp.rename(out)
-    except BaseException:  # an error, Ctrl-C, or Stopped by a signal
+        tmp.rename(out)  # only now that it is complete
+    except BaseException:  # an error, Ctrl-C, SIGTERM or SIGHUP
         shutil.rmtree(tmp, ignore_errors=True)
         for directory in made:
-            try:
+            with contextlib.suppress(OSError):  # something else was put there meanwhile: it stays
                 directory.rmdir()
-            except OSError:  # something else was put there meanwhile: it stays, and its parents
-                break
         raise
-
-
-class Stopped(BaseException):
-    """SIGTERM or SIGHUP (a closed terminal, `timeout`, a job scheduler): raised like Ctrl-C's
-    KeyboardInterrupt, so that convert cleans up after it as it does after Ctrl-C."""
-
-
-def on_signal(signum, frame):
-    raise Stopped(signum)
 
 
 def main(argv=None):
@@ -171,22 +143,21 @@ def main(argv=None):
     ap.add_argument("--output", help="where to write (default: CHECKPOINT_DIR/converted, or converted-int8)")
     ap.add_argument("--int8", action="store_true", help="int8 weight-only (the blocks, an untied lm_head)")
     ap.add_argument("--shard-size-mb", type=POSITIVE, default=2048, help="size of each output file")
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGHUP, on_signal)
+    # SIGTERM and SIGHUP (`timeout`, a closed terminal, a job scheduler) stop it as Ctrl-C does, through the
+    # clean-up of convert
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGHUP, signal.default_int_handler)
     try:
         a = ap.parse_args(argv)
         if not a.checkpoint_dir:
             raise UserError("give --checkpoint-dir DIR, a Hugging Face snapshot")
         out = a.output or os.path.join(a.checkpoint_dir, "converted-int8" if a.int8 else "converted")
         convert(a.checkpoint_dir, out, a.int8, a.shard_size_mb << 20)
-    except (UserError, OSError) as e:  # OSError: a full disk, say; the partial output is removed already
+    except (UserError, OSError, SafetensorError) as e:  # a full disk: either error; the output is gone
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
         print("interrupted: nothing was written", file=sys.stderr)
         sys.exit(130)
-    except Stopped as e:
-        print(f"stopped by signal {e.args[0]}: nothing was written", file=sys.stderr)
-        sys.exit(128 + e.args[0])
     print(f"wrote {out}")
 
 

@@ -1,6 +1,7 @@
 """Generates text with Qwen3, fast: a decode step that never syncs with the host, compiled or graphed.
 
     python generate.py --compile --prompt "Hello, my name is"  # the converted checkpoints/Qwen/Qwen3-0.6B
+    python generate.py --cuda-graph --prompt "Hello, my name is"  # our CUDA graphs: a fast start
     python generate.py --compile --chat --no-think --prompt "Why is the sky blue?" --prompt "Hi!"  # a batch
 """
 import argparse
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model import Transformer, UserError, kernels_available, read_json
+from model import Transformer, UserError, kernels, read_json
 
 
 def checked(kind, requirement: str, valid):
@@ -57,17 +58,6 @@ class SamplingParams:
                     setattr(params, name, check(json.dumps(value)))
                 except (ValueError, argparse.ArgumentTypeError) as e:
                     raise UserError(f"generation_config.json: {name} {value!r}: {e}") from None
-        return params
-        for name, check in SAMPLING_CHECKS.items():
-            value = generation_config.get(name)
-            if value is None:
-                continue
-            try:
-                if type(value) not in (int, float):
-                    raise ValueError("not a number")
-                setattr(params, name, check(str(value)))
-            except (ValueError, argparse.ArgumentTypeError) as e:
-                raise UserError(f"generation_config.json: {name} {value!r}: {e}") from None
         return params
 
 
@@ -143,6 +133,34 @@ def attended_length(needed: int, capacity: int) -> int:
     return min(capacity, max(256, 1 << (needed - 1).bit_length()))
 
 
+class CUDAGraphs:
+    """Calls fn(*tensors) as CUDA graphs, one per shape of the tensors: the first call with a shape runs fn
+    for real on a side stream (the warm-up, where lazy initialisation and Triton's compilation happen,
+    outside any capture), then captures it. Capture records kernels without running them, so it changes no
+    tensor: the state that the warm-up advanced is the state every later call, a replay, starts from. fn must
+    read and write static tensors only (DecodeState, the caches), as decode_one_token does."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.graphs = {}
+        self.pool = torch.cuda.graph_pool_handle()  # one pool of intermediate buffers for every graph
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        shape = tuple(t.shape for t in tensors)
+        if shape in self.graphs:
+            self.graphs[shape].replay()
+            return
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.fn(*tensors)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.fn(*tensors)
+        self.graphs[shape] = graph
+
+
 @dataclass
 class GenerationStats:
     prefill_s: float  # the prompts in, each row's first token out: the time to first token
@@ -154,13 +172,17 @@ class GenerationStats:
 class Generator:
     """Prefill and the decode loop for up to `batch` prompts at once, in a cache of `capacity` positions.
     use_kernels: whether the Triton kernels run where they apply (one token of one row); by default, wherever
-    they can (model.kernels_available). compile: the decode step under torch.compile (reduce-overhead)."""
+    they can (CUDA, with kernels.py and Triton). The decode step runs eagerly; or with compile, under
+    torch.compile (reduce-overhead: inductor's code in its CUDA graphs); or with cuda_graph, as our CUDA
+    graphs (with compile too: inductor's code without its graphs, in ours)."""
 
     def __init__(self, model: Transformer, *, batch: int, capacity: int, sampling: SamplingParams,
-                 use_kernels: bool | None = None, compile: bool = False):
+                 use_kernels: bool | None = None, compile: bool = False, cuda_graph: bool = False):
         device = model.norm.weight.device
-        if use_kernels is None:
-            use_kernels = kernels_available(device)
+        if cuda_graph and device.type != "cuda":
+            raise UserError("--cuda-graph needs a CUDA device: use --device cuda, or leave it out")
+        if use_kernels is None:  # wherever they can run
+            use_kernels = kernels is not None and device.type == "cuda"
         model.setup_cache(batch, capacity)
         self.model = model
         self.batch = batch
@@ -171,8 +193,10 @@ class Generator:
 
         def step(kv_positions):
             decode_one_token(model, self.state, kv_positions, sampling, use_kernels)
-        if compile:  # and captured in CUDA graphs (one per attended length): a replay launches the whole step
-            step = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+        if compile:  # captured in CUDA graphs, inductor's or ours: one per attended length
+            step = torch.compile(step, mode=None if cuda_graph else "reduce-overhead", fullgraph=True)
+        if cuda_graph:
+            step = CUDAGraphs(step)
         self.step = step
 
     def decode_step(self, needed: int) -> None:
@@ -253,22 +277,22 @@ class Tokenizer:
     def __init__(self, path: str):
         import tokenizers
         file = pathlib.Path(path, "tokenizer.json")
-        if not file.is_file():
-            raise UserError(f"{path}: no tokenizer.json; copy it from the Hugging Face snapshot")
         try:
             self.tokenizer = tokenizers.Tokenizer.from_file(str(file))
         except Exception as e:  # the tokenizers library's own error type
-            raise UserError(f"{file}: not a readable tokenizer ({e}); copy it from the snapshot") from None
-        template_file = pathlib.Path(path, "chat_template.jinja")
+            raise UserError(f"{file}: no readable tokenizer ({e}); copy it from the snapshot") from None
         config_file = pathlib.Path(path, "tokenizer_config.json")
         config = read_json(config_file) if config_file.is_file() else {}
-        if template_file.is_file():
+        self.chat_template = config.get("chat_template") or CHATML
+        template_file = pathlib.Path(path, "chat_template.jinja")
+        if template_file.is_file():  # where newer snapshots keep it; transformers prefers it too
             self.chat_template = template_file.read_text(encoding="utf-8")
-        else:
-            self.chat_template = config.get("chat_template") or CHATML
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        except TypeError:  # what tokenizers raises for a str that can't be UTF-8 (from non-UTF-8 argv)
+            raise UserError(f"{text!r} is not valid UTF-8 text") from None
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -281,17 +305,11 @@ class Tokenizer:
         messages.append({"role": "user", "content": user})
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                            extensions=["jinja2.ext.loopcontrols"])
-        env.globals["raise_exception"] = refuse_chat
         try:
             template = env.from_string(self.chat_template)
             return template.render(messages=messages, add_generation_prompt=True, enable_thinking=thinking)
-        except jinja2.TemplateError as e:
+        except (jinja2.TemplateError, TypeError) as e:  # TypeError: a template that is not a string
             raise UserError(f"the checkpoint's chat template fails: {e}") from None
-
-
-def refuse_chat(message: str):
-    """raise_exception() of a chat template, which transformers provides: the template refuses the input."""
-    raise UserError(f"the chat template refuses the conversation: {message}")
 
 
 @dataclass
@@ -349,19 +367,14 @@ class TextStream:
 
 def report(stats: GenerationStats, rows: list[list[int]], compiled: bool) -> str:
     """The line on stderr after a generation: what came out, the time to first token and the decode rate."""
-    tokens = sum(map(len, rows))
-    line = f"{tokens} new token" if tokens == 1 else f"{tokens} new tokens"
-    if len(rows) > 1:
-        line += f" in {len(rows)} rows ({', '.join(str(len(r)) for r in rows)})"
+    line = f"{sum(map(len, rows))} new tokens in {len(rows)} row{'s' if len(rows) > 1 else ''}"
     line += f". Time to first token {stats.prefill_s:.3f} s"
     if stats.first_step_s and compiled:
         line += f"; the first decode step {stats.first_step_s:.2f} s (compilation and graph capture)"
     if stats.decode_steps:
         rate = stats.decode_steps / stats.decode_s
-        line += f"; then {rate:.1f} tok/s per row"
-        if len(rows) > 1:
-            line += f" ({rate * len(rows):.1f} in all)"
-        line += f" over {stats.decode_steps} decode steps"
+        line += f"; then {rate:.1f} tok/s per row, {rate * len(rows):.1f} in all"
+        line += f", over {stats.decode_steps} steps"
     return line + "."
 
 
@@ -392,6 +405,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--stop-ids", type=int, nargs="*", default=[], help="stop tokens besides the model's eos")
     g = ap.add_argument_group("speed")
     g.add_argument("--compile", action="store_true", help="torch.compile the decode step (reduce-overhead)")
+    g.add_argument("--cuda-graph", action="store_true",
+                   help="replay the decode step as our own CUDA graphs (with --compile: inductor's code)")
     g.add_argument("--check-every", type=POSITIVE, default=16, help="decode steps between stop checks")
     g.add_argument("--cache-len", type=POSITIVE, help="KV cache positions (default: prompt + max new tokens)")
     a = ap.parse_args(argv)
@@ -402,11 +417,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.device = torch.device(a.device)
     if (a.system or a.no_think) and not a.chat:
         raise UserError("--system and --no-think go with --chat")
-    for text in [*(a.prompt or []), a.system or ""]:
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:  # bytes that the terminal's encoding could not decode
-            raise UserError(f"{text!r} is not valid UTF-8 text") from None
     return a
 
 
@@ -438,7 +448,7 @@ def run(a: argparse.Namespace) -> None:
     prompts = [tokenizer.encode(text) for text in texts]
     capacity = a.cache_len or max(map(len, prompts)) + a.max_new_tokens  # too long: setup_cache says so
     gen = Generator(checkpoint.model, batch=len(prompts), capacity=capacity, sampling=sampling,
-                    compile=a.compile)
+                    compile=a.compile, cuda_graph=a.cuda_graph)
     stream = TextStream(tokenizer.decode, a.prompt)
     try:
         rows, stats = gen.generate(prompts, max_new=a.max_new_tokens,
@@ -446,7 +456,7 @@ def run(a: argparse.Namespace) -> None:
                                    on_tokens=stream)
     finally:  # on Ctrl-C too: what was generated so far
         stream.finish()
-    print(report(stats, rows, compiled=a.compile), file=sys.stderr)
+    print(report(stats, rows, compiled=a.compile or a.cuda_graph), file=sys.stderr)
 
 
 if __name__ == "__main__":

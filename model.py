@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-try:  # optional: without kernels.py (or Triton) every step runs PyTorch's ops
+try:  # optional: without kernels.py, or without Triton, every step runs PyTorch's ops
     import kernels
 except ImportError:
     kernels = None
@@ -28,11 +28,6 @@ def read_json(path) -> dict:
     if not isinstance(value, dict):
         raise UserError(f"{path}: not a JSON object but {type(value).__name__}; download or convert it again")
     return value
-
-
-def kernels_available(device) -> bool:
-    """Whether kernels.py's Triton kernels can run on `device`: the default of every use_kernels."""
-    return kernels is not None and kernels.AVAILABLE and torch.device(device).type == "cuda"
 
 
 # The JSON types that a config.json value of a ModelArgs field may have (bool is no int here); a field
@@ -214,12 +209,18 @@ class Attention(nn.Module):
         """residual + attention(norm(x))."""
         R, T, _ = x.shape
         qkv = project(self.qkv_proj, x, norm=norm, fused=ctx.fused)
-        q, k, v = qkv.view(R, T, -1, self.head_dim).split([self.n_heads, self.n_kv, self.n_kv], dim=2)
-        q = apply_rope(self.q_norm(q), ctx.cos, ctx.sin)
-        k = apply_rope(self.k_norm(k), ctx.cos, ctx.sin)
-        keys, values = self.kv_cache.update(ctx.rows, ctx.positions, k, v, ctx.mask.shape[-1])
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=ctx.mask,
-                                           enable_gqa=True).transpose(1, 2)
+        cache = self.kv_cache
+        if ctx.fused:  # the q/k norms, RoPE, the cache write and attention in one kernel (and a merge)
+            y = kernels.decode_attention(qkv, cache.k, cache.v, ctx.rows.start or 0, ctx.positions[:, 0],
+                                         ctx.cos, ctx.sin, self.q_norm.weight, self.k_norm.weight,
+                                         self.q_norm.eps, self.n_heads)
+        else:
+            q, k, v = qkv.view(R, T, -1, self.head_dim).split([self.n_heads, self.n_kv, self.n_kv], dim=2)
+            q = apply_rope(self.q_norm(q), ctx.cos, ctx.sin)
+            k = apply_rope(self.k_norm(k), ctx.cos, ctx.sin)
+            keys, values = cache.update(ctx.rows, ctx.positions, k, v, ctx.mask.shape[-1])
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=ctx.mask,
+                                               enable_gqa=True).transpose(1, 2)
         return project(self.o_proj, y.reshape(R, T, -1), residual=residual, fused=ctx.fused)
 
 

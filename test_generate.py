@@ -19,9 +19,10 @@ from safetensors.torch import load_file, save_file
 
 import convert_hf_checkpoint as convert
 import generate as G
-import kernels
 import model as M
 from model import Linear, ModelArgs, Transformer, UserError, quantize_int8
+
+kernels = M.kernels  # None without Triton: the kernel tests run only on CUDA or in Triton's interpreter
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CUDA = torch.cuda.is_available()
@@ -140,11 +141,10 @@ def forward(model, tokens, start=0, row=0, use_kernels=False):
                      use_kernels=use_kernels)[0]
 
 
-def generator(path, batch=1, capacity=512, sampling=GREEDY, device="cpu", dtype=torch.float32,
-              use_kernels=False, compile=False):
+def generator(path, batch=1, capacity=512, sampling=GREEDY, device="cpu", dtype=torch.float32, **flags):
+    """A Generator; flags: use_kernels (default: wherever they can run), compile, cuda_graph."""
     model = Transformer.from_checkpoint(path, device, dtype)
-    return G.Generator(model, batch=batch, capacity=capacity, sampling=sampling, use_kernels=use_kernels,
-                       compile=compile)
+    return G.Generator(model, batch=batch, capacity=capacity, sampling=sampling, **flags)
 
 
 def greedy(path, prompts, max_new=24, check_every=5, stop_ids=(), capacity=512, **kw):
@@ -312,7 +312,7 @@ def test_model_py_alone_runs_the_pytorch_path(tiny, tmp_path):
         import sys
         sys.path = [{str(tmp_path)!r}] + [p for p in sys.path if p not in ("", {HERE!r})]
         import torch, model
-        assert model.kernels is None and not model.kernels_available("cuda")
+        assert model.kernels is None
         m = model.Transformer.from_checkpoint({tiny!r}, "cpu", torch.float32)
         m.setup_cache(1, 64)
         logits = m(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], m.key_positions[:3])
@@ -576,16 +576,14 @@ def test_convert_never_replaces_anything(snapshot, tmp_path, capsys, monkeypatch
     a_file.write_text("mine as well")
     for output in (user_dir, snapshot, a_file):
         assert "exists" in convert_error(["--checkpoint-dir", str(snapshot), "--output", str(output)], capsys)
-    assert "cannot write" in convert_error(["--checkpoint-dir", str(snapshot), "--output",
-                                            str(a_file / "out")],
-                                           capsys)
+    assert "File exists" in convert_error(["--checkpoint-dir", str(snapshot), "--output",
+                                           str(a_file / "out")], capsys)
     monkeypatch.chdir(tmp_path)  # --output . : the current directory holds the user's files
     assert "exists" in convert_error(["--checkpoint-dir", str(snapshot), "--output", "."], capsys)
     assert (user_dir / "notes.txt").read_text() == "mine" and a_file.read_text() == "mine as well"
     assert {p.name: p.read_bytes() for p in snapshot.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "hf", "mydata"]  # nothing left behind
-    out = tmp_path / "out"  # an empty directory is filled; then the conversion there is not replaced either
-    out.mkdir()
+    out = tmp_path / "out"  # a conversion is not replaced either
     convert.main(["--checkpoint-dir", str(snapshot), "--output", str(out)])
     assert load(str(out)).args.num_hidden_layers == 2
     written = {p.name: p.read_bytes() for p in out.iterdir()}
@@ -626,19 +624,19 @@ def test_convert_write_errors_are_one_line_and_leave_nothing(snapshot, tmp_path,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 
-def test_convert_into_the_current_directory(snapshot, tmp_path, monkeypatch):
-    """--output . from an empty directory fills it, and writes nothing beside it."""
+def test_convert_into_the_current_directory_is_refused_in_one_line(snapshot, tmp_path, monkeypatch, capsys):
+    """--output . names an existing directory, even an empty one: refused, and nothing written beside it."""
     empty = tmp_path / "empty"
     empty.mkdir()
     monkeypatch.chdir(empty)
-    convert.main(["--checkpoint-dir", str(snapshot), "--output", "."])
-    assert load(str(empty)).args.num_hidden_layers == 2 and not leftovers(empty)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "hf"]
+    assert f"--output {empty} exists" in convert_error(["--checkpoint-dir", str(snapshot), "--output", "."],
+                                                      capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "hf"] and not list(empty.iterdir())
 
 
 @pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGHUP"])
 def test_convert_stopped_by_a_signal_leaves_nothing(snapshot, tmp_path, signal_name):
-    """A closed terminal or `timeout` while a shard is being written: the hidden output goes, exit 128 + N."""
+    """A closed terminal or `timeout` while a shard is being written: as Ctrl-C, the hidden output goes."""
     out = tmp_path / "a" / "b"
     patch = f"""
         import os, signal
@@ -646,9 +644,8 @@ def test_convert_stopped_by_a_signal_leaves_nothing(snapshot, tmp_path, signal_n
             os.kill(os.getpid(), signal.{signal_name})
         convert_hf_checkpoint.save_file = save_file"""
     r = with_patch(patch, "convert_hf_checkpoint.py", "--checkpoint-dir", str(snapshot), "--output", str(out))
-    number = getattr(__import__("signal"), signal_name)
-    assert r.returncode == 128 + number and "Traceback" not in r.stderr, r.stderr
-    assert r.stderr.strip() == f"stopped by signal {number}: nothing was written"
+    assert r.returncode == 130 and "Traceback" not in r.stderr, r.stderr  # as after Ctrl-C
+    assert r.stderr.strip() == "interrupted: nothing was written"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 
@@ -932,26 +929,35 @@ def test_readme_from_python_runs(tiny, capsys):
     assert len(printed.strip().splitlines()) >= 3, printed
 
 
+# The decode modes: (compile, cuda_graph) for generator()
+MODES = {"eager": {}, "compile": dict(compile=True), "graph": dict(cuda_graph=True),
+         "compile-graph": dict(compile=True, cuda_graph=True)}
+
+
 @needs_cuda
 @pytest.mark.parametrize("prompts", [[[1, 2, 3, 4]], [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11]]],
                          ids=["batch1", "batch2"])
-@pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe"])
-def test_cuda_eager_and_compile_identical_greedy(checkpoint, prompts, request):
-    """Batch 1 runs the Triton decode kernels, batch 2 PyTorch's ops."""
+@pytest.mark.parametrize("checkpoint,sampling", [("tiny", GREEDY), ("tiny_moe", GREEDY),
+                                                 ("tiny", G.SamplingParams(temperature=1.0, top_k=50))],
+                         ids=["dense", "moe", "dense-sampled"])
+def test_cuda_modes_identical_tokens(checkpoint, prompts, sampling, request):
+    """fp32: every mode gives eager's tokens, greedy and sampled with one seed. Batch 1 runs the Triton
+    decode kernels, batch 2 PyTorch's ops; 300 steps cross the 256 -> 512 attended length (a second graph)."""
     path = request.getfixturevalue(checkpoint)
-    # crosses the 256 -> 512 bucket
-    eager = greedy(path, prompts, max_new=300, device="cuda", use_kernels=True)
-    assert greedy(path, prompts, max_new=300, device="cuda", use_kernels=True, compile=True) == eager
+    runs = {}
+    for mode, flags in MODES.items():
+        torch.manual_seed(0)
+        runs[mode] = greedy(path, prompts, max_new=300, device="cuda", sampling=sampling, **flags)
+    assert all(tokens == runs["eager"] for tokens in runs.values()), {m: r[0][:12] for m, r in runs.items()}
 
 
 @needs_cuda
-@pytest.mark.parametrize("mode", ["eager", "compile"])
+@pytest.mark.parametrize("mode", MODES)
 def test_cuda_sampling_is_seeded_and_fresh_every_step(tiny, mode):
     """Sampled decoding in every mode: the same seed gives the same tokens, another seed others, and each step
     draws new noise (a graph that replayed one captured draw would repeat itself)."""
     sampling = G.SamplingParams(temperature=1.0, top_k=20, top_p=0.95)
-    gen = generator(tiny, sampling=sampling, device="cuda", dtype=torch.bfloat16, use_kernels=True,
-                    compile=mode == "compile")
+    gen = generator(tiny, sampling=sampling, device="cuda", dtype=torch.bfloat16, **MODES[mode])
     runs = []
     for seed in (0, 0, 1):
         torch.manual_seed(seed)
@@ -961,12 +967,12 @@ def test_cuda_sampling_is_seeded_and_fresh_every_step(tiny, mode):
 
 
 @needs_cuda
-@pytest.mark.parametrize("mode", ["eager", "compile"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe"])
 def test_cuda_no_host_sync_inside_decode_steps(checkpoint, mode, request):
     sampling = G.SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
     gen = generator(request.getfixturevalue(checkpoint), capacity=1024, sampling=sampling, device="cuda",
-                    dtype=torch.bfloat16, use_kernels=True, compile=mode == "compile")
+                    dtype=torch.bfloat16, **MODES[mode])
     gen.generate([[1, 2, 3]], max_new=40, stop_ids=set())  # warm-up: compile and capture
     inner = gen.step
 
@@ -982,6 +988,28 @@ def test_cuda_no_host_sync_inside_decode_steps(checkpoint, mode, request):
 
 
 @needs_cuda
+@pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe"])
+def test_cuda_graph_capture_changes_no_state(checkpoint, request):
+    """The first graphed step of a length runs for real, then is captured: afterwards the decode state and
+    the caches are those of one eager step; replays then advance them as eager steps do."""
+    path = request.getfixturevalue(checkpoint)
+    sampling = G.SamplingParams(temperature=1.0, top_k=20)
+    gens = [generator(path, sampling=sampling, device="cuda", cuda_graph=graph) for graph in (False, True)]
+
+    def state(gen):
+        caches = [t.clone() for layer in gen.model.layers for t in layer.self_attn.kv_cache.buffers()]
+        return [t.clone() for t in vars(gen.state).values()] + caches
+    for gen in gens:
+        gen.state.seed.fill_(5)
+        gen.prefill([[1, 2, 3, 4]])
+    for _ in range(3):  # warm-up and capture, then replays
+        for gen in gens:
+            gen.decode_step(8)
+        assert all(torch.equal(a, b) for a, b in zip(*map(state, gens), strict=True))
+    assert len(gens[1].step.graphs) == 1
+
+
+@needs_cuda
 @pytest.mark.parametrize("moe", [None, dict(mlp_only_layers=[0])])
 def test_cuda_int8_modes_identical_greedy(tmp_path, moe):
     hf, path = converted(tmp_path, moe=moe)
@@ -989,8 +1017,15 @@ def test_cuda_int8_modes_identical_greedy(tmp_path, moe):
     q8 = str(tmp_path / "int8")
     # fp32: in bf16 the fused dequantising reduction rounds once where eager rounds after the matmul and again
     # after the scale, which flips near-tied greedy choices of a random model.
-    eager = greedy(q8, [[1, 2, 3]], max_new=40, device="cuda", use_kernels=True)
-    assert greedy(q8, [[1, 2, 3]], max_new=40, device="cuda", use_kernels=True, compile=True) == eager
+    eager = greedy(q8, [[1, 2, 3]], max_new=40, device="cuda")
+    for mode in ("compile", "graph", "compile-graph"):
+        assert greedy(q8, [[1, 2, 3]], max_new=40, device="cuda", **MODES[mode]) == eager, mode
+
+
+def test_cuda_graph_without_cuda_is_one_line(tiny):
+    with pytest.raises(SystemExit) as e:
+        G.main(["--device", "cpu", "--checkpoint", tiny, "--prompt", "hi", "--cuda-graph"])
+    assert str(e.value.code) == "error: --cuda-graph needs a CUDA device: use --device cuda, or leave it out"
 
 
 # ---------------------------------------------------------------- command line
@@ -1089,8 +1124,8 @@ def test_chat_template_from_the_checkpoint_first_chatml_where_it_has_none(tiny, 
     for user, system in CONVERSATIONS:
         for thinking in (True, False):
             assert chatml.chat(user, system, thinking) == qwen3.chat(user, system, thinking)
-    (own / "chat_template.jinja").write_text("{{ raise_exception('no system messages') }}")
-    with pytest.raises(UserError, match="no system messages"):
+    (own / "chat_template.jinja").write_text("{{ messages[0].content | no_such_filter }}")
+    with pytest.raises(UserError, match="the checkpoint's chat template fails: .*no_such_filter"):
         G.Tokenizer(str(own)).chat("hi")
 
 
@@ -1164,7 +1199,7 @@ def test_cli_bad_files_one_line(tiny, tmp_path):
         broken("genconfig",
                lambda p: (p / "generation_config.json").write_text("[1,")): "not a readable JSON",
         broken("noweights", lambda p: shard(p).unlink()): "no model*.safetensors files",
-        broken("tokenizer", lambda p: (p / "tokenizer.json").write_text("{")): "not a readable tokenizer",
+        broken("tokenizer", lambda p: (p / "tokenizer.json").write_text("{")): "no readable tokenizer",
         broken("config-str", lambda p: (p / "config.json").write_text('"qwen3"')):
             "not a JSON object but str",
         broken("config-list", lambda p: (p / "config.json").write_text("[]")): "not a JSON object but list",
@@ -1219,15 +1254,15 @@ def test_eos_comes_from_config_json_too(tiny, tmp_path):
 
 def test_report_says_what_a_user_can_act_on():
     stats = G.GenerationStats(prefill_s=0.05, first_step_s=2.0, decode_s=0.5, decode_steps=50)
-    eager = G.report(stats, [[1] * 30], compiled=False)
-    assert eager == ("30 new tokens. Time to first token 0.050 s; then 100.0 tok/s per row over 50 decode "
-                     "steps.")
+    eager = G.report(stats, [[1] * 30], compiled=False)  # no compilation to speak of
+    assert eager == ("30 new tokens in 1 row. Time to first token 0.050 s; then 100.0 tok/s per row, 100.0 in "
+                     "all, over 50 steps.")
     compiled = G.report(stats, [[1] * 30, [2] * 52], compiled=True)
-    assert compiled == ("82 new tokens in 2 rows (30, 52). Time to first token 0.050 s; the first decode "
-                        "step 2.00 s (compilation and graph capture); then 100.0 tok/s per row (200.0 in "
-                        "all) over 50 decode steps.")
+    assert compiled == ("82 new tokens in 2 rows. Time to first token 0.050 s; the first decode step 2.00 s "
+                        "(compilation and graph capture); then 100.0 tok/s per row, 200.0 in all, over 50 "
+                        "steps.")
     one = G.GenerationStats(prefill_s=0.05, first_step_s=0.0, decode_s=0.0, decode_steps=0)
-    assert G.report(one, [[1]], compiled=True) == "1 new token. Time to first token 0.050 s."
+    assert G.report(one, [[1]], compiled=True) == "1 new tokens in 1 row. Time to first token 0.050 s."
 
 
 def test_cli_float16(tiny, capsys):
@@ -1320,6 +1355,43 @@ def test_kernel_gemv_of_picked_experts_matches_reference_ops(device, dtype, tol,
     torch.library.opcheck(torch.ops.qwen3_fast.gemv, args)
 
 
+@pytest.mark.parametrize("device,dtype,tol", KERNEL_RUNS)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (4, 2, 128), (8, 2, 64)])  # GQA 1, 2, 4
+@pytest.mark.parametrize("splits", [1, 4])
+def test_kernel_decode_attention_matches_reference_ops(device, dtype, tol, heads, kv_heads, head_dim, splits):
+    """One query per row, rows at different positions: around the 32-key block and the split boundaries
+    (chunks of ceil(ceil((p + 1) / splits) / 32) * 32 keys), the first position and the cache's last. The
+    cache holds random stale keys past each row's position: the kernel must not read them."""
+    torch.manual_seed(0)
+    positions = torch.tensor([0, 31, 32, 127, 128, 200, 255], device=device)
+    R, capacity, eps = len(positions), 256, 1e-6
+    qkv = torch.randn(R, 1, (heads + 2 * kv_heads) * head_dim, device=device, dtype=dtype)
+    cache_k = torch.randn(R + 1, kv_heads, capacity, head_dim, device=device, dtype=dtype)  # row 0 unused
+    cache_v = torch.randn_like(cache_k)
+    q_norm, k_norm = (torch.rand(head_dim, device=device, dtype=dtype) + 0.5 for _ in range(2))
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    angles = (positions.cpu().float()[:, None] * inv_freq.repeat(2))[:, None, None].to(device)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)  # (R, 1, 1, head_dim)
+
+    def rms(x, w):
+        return w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    q, k, v = qkv.view(R, 1, -1, head_dim).split([heads, kv_heads, kv_heads], dim=2)
+    q, k = M.apply_rope(rms(q, q_norm), cos, sin), M.apply_rope(rms(k, k_norm), cos, sin)
+    want_k, want_v = cache_k.clone(), cache_v.clone()
+    rows = torch.arange(1, R + 1, device=device)
+    want_k[rows, :, positions], want_v[rows, :, positions] = k[:, 0], v[:, 0]
+    mask = (torch.arange(capacity, device=device) <= positions[:, None])[:, None, None]
+    want = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), want_k[1:], want_v[1:],
+                                                            attn_mask=mask, enable_gqa=True)[:, :, 0]
+    got = kernels.decode_attention(qkv, cache_k, cache_v, 1, positions, cos, sin, q_norm, k_norm, eps,
+                                   heads, splits)
+    assert_close(got, want, tol, "attention")
+    written = torch.zeros_like(cache_k, dtype=torch.bool)
+    written[rows, :, positions] = True
+    assert torch.equal(cache_k[~written], want_k[~written]) and torch.equal(cache_v, want_v)  # nothing else
+    assert_close(cache_k[written], want_k[written], tol, "new keys")  # normalised and rotated
+
+
 @pytest.mark.parametrize("device,dtype,tol", KERNEL_RUNS[:2])
 @pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe"])
 def test_model_with_kernels_matches_reference_ops(checkpoint, device, dtype, tol, request):
@@ -1330,7 +1402,7 @@ def test_model_with_kernels_matches_reference_ops(checkpoint, device, dtype, tol
 
     def run(use_kernels):
         gen = generator(tiny, capacity=320, device=device, use_kernels=use_kernels)
-        tokens = gen.generate([list(range(1, 253))], max_new=6, stop_ids=set())[0][0]
+        tokens = gen.generate([list(range(1, 255))], max_new=4, stop_ids=set())[0][0]
         return tokens, [c for layer in gen.model.layers for c in layer.self_attn.kv_cache.buffers()]
     run(False)  # warm-up: the process's first CPU prefill sometimes rounds differently (~1 run in 10)
     ref_tokens, ref_cache = run(False)
@@ -1358,7 +1430,7 @@ def test_kernels_in_triton_interpreter(request):
                        env={**os.environ, "TRITON_INTERPRET": "1"})
     assert r.returncode == 0, r.stdout[-3000:]
     summary = r.stdout.strip().splitlines()[-1]
-    passed = re.fullmatch(r"(\d+) passed, \d+ deselected in .*", summary)  # no failure, skip or error
+    passed = re.fullmatch(r"(\d+) passed, \d+ deselected(, \d+ warnings?)? in .*", summary)  # nothing else
     here = sum("[interpreter" in item.nodeid for item in request.session.items)  # those this run selected
     assert passed and int(passed.group(1)) >= max(here, 1), summary
 

@@ -1,13 +1,13 @@
 """qwen3-fast's measurements on a CUDA GPU, with random weights of the real shapes, built on the GPU.
 
-    python bench/bench.py decode --size 8B --modes eager,compile --peer
+    python bench/bench.py decode --size 8B --modes eager,compile,graph,compile-graph --peer
     python bench/bench.py decode --size 8B --int8
     python bench/bench.py decode --size 8B --batch 8
     python bench/bench.py decode --size 30B-A3B --peer                  # MoE
-    python bench/bench.py decode --size 0.6B --profile                 # the kernels of one compiled step
+    python bench/bench.py decode --size 0.6B --modes graph --profile   # the kernels of one graphed step
     python bench/bench.py decode --size 0.6B --no-kernels              # PyTorch's ops only
     python bench/bench.py ttft --size 8B --prompt 2048 --peer             # time to first token
-    python bench/bench.py first-text --checkpoint DIR    # seconds from the command to its first text
+    python bench/bench.py first-text --modes graph,compile  # from the model on the GPU to the first text
     python bench/bench.py bandwidth                      # the decode ceiling's denominator
 
 Decode tok/s comes from two generation lengths in one process, (n2 - n1) / (t2 - t1), which cancels prefill
@@ -126,6 +126,10 @@ def rate_from_two_lengths(run, n1: int, n2: int, repeats: int) -> list[float]:
     return rates
 
 
+MODES = {"eager": {}, "compile": dict(compile=True), "graph": dict(cuda_graph=True),
+         "compile-graph": dict(compile=True, cuda_graph=True)}  # Generator's flags
+
+
 def decode(a: argparse.Namespace, mode: str) -> dict:
     torch._dynamo.reset()
     gc.collect()  # the last mode's model, cache and graphs
@@ -134,7 +138,7 @@ def decode(a: argparse.Namespace, mode: str) -> dict:
     model = random_model(a.size, a.int8)
     gen = G.Generator(model, batch=a.batch, capacity=a.cache,
                       sampling=G.SamplingParams() if a.greedy else SAMPLED,
-                      use_kernels=not a.no_kernels, compile=mode == "compile")
+                      use_kernels=not a.no_kernels, **MODES[mode])
     prompts = [torch.randint(0, VOCAB, (a.prompt,)).tolist() for _ in range(a.batch)]
     t = time.perf_counter()
     gen.generate(prompts, max_new=2, stop_ids=set())  # one decode step: compiles and captures
@@ -148,24 +152,29 @@ def decode(a: argparse.Namespace, mode: str) -> dict:
            "all": [round(r, 1) for r in rates], "weights_GB": round(weight_bytes(model) / 1e9, 3),
            "GB_s": round(best * weight_bytes(model) / 1e9, 1), "first_step_s": round(first_step_s, 1),
            "peak_memory_GB": round(torch.cuda.max_memory_allocated() / 1e9, 2)}
-    if a.profile and mode == "compile":
-        row["profile"] = profile(gen, best)
+    if a.profile and mode != "eager":
+        row["profile"] = profile(gen, best, a.prompt + a.n2)
     return row
 
 
-def profile(gen: G.Generator, tok_s: float) -> list:
-    """The kernels of one compiled decode step, timed by torch.profiler over replays of its CUDA graph (us per
-    step), and the gaps: the step's time at `tok_s` minus its GPU time."""
-    kv_positions = gen.model.key_positions[:G.attended_length(512, gen.capacity)]
+def profile(gen: G.Generator, tok_s: float, needed: int) -> list:
+    """The kernels of one graphed decode step, timed by torch.profiler over replays of its CUDA graph (us per
+    step): their number a layer, the GB/s of the matrix-vector products (the weights' bytes over their time),
+    and the gaps: the step's time at `tok_s` minus its GPU time."""
+    kv_positions = gen.model.key_positions[:G.attended_length(needed, gen.capacity)]
     with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
-            gen.step(kv_positions)  # replays the compiled step's CUDA graph
+            gen.step(kv_positions)  # replays the step's CUDA graph
         torch.cuda.synchronize()
     events = prof.key_averages()
     gpu_us = sum(e.device_time_total for e in events) / 10
     kernels = sum(e.count for e in events if e.device_time_total > 0) / 10
     top = sorted(events, key=lambda e: -e.device_time_total)[:12]
-    return [{"step_us": round(1e6 / tok_s), "gpu_us": round(gpu_us), "kernels": kernels}] + [
+    gemv_us = sum(e.device_time_total for e in events if "gemv" in e.key) / 10
+    summary = {"step_us": round(1e6 / tok_s), "gpu_us": round(gpu_us), "kernels": kernels,
+               "kernels_per_layer": round(kernels / gen.model.args.num_hidden_layers, 1),
+               "gemv_us": round(gemv_us), "gemv_GB_s": round(weight_bytes(gen.model) / gemv_us / 1e3)}
+    return [summary] + [
         {"us": round(e.device_time_total / 10, 1), "count": e.count // 10, "name": e.key[:80]} for e in top]
 
 
@@ -222,25 +231,31 @@ def ttft(a: argparse.Namespace) -> list:
 
 
 def first_text(a: argparse.Namespace) -> list:
-    """Seconds from starting generate.py to its first streamed character, for each speed flag: cold (empty
-    inductor and Triton caches) and warm (the caches the cold run filled)."""
+    """Seconds from the model being on the GPU to its first streamed text (prefill and the first decode step:
+    compilation and graph capture happen there), for each of --modes: cold, with empty inductor and Triton
+    caches, then warm, with the caches the cold run filled. Each run is a process of its own."""
+    if a.inner:
+        model = random_model(a.size, a.int8)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        gen = G.Generator(model, batch=1, capacity=a.cache, sampling=SAMPLED, **MODES[a.modes])
+        first = []
+
+        def on_tokens(rows):
+            if not first:
+                first.append(time.perf_counter() - start)
+        gen.generate([torch.randint(0, VOCAB, (a.prompt,)).tolist()], max_new=64, stop_ids=set(),
+                     on_tokens=on_tokens)
+        return [{"size": a.size, "mode": a.modes, "first_text_s": round(first[0], 2)}]
     rows = []
-    for flags in ([], ["--compile"]):
+    for mode in a.modes.split(","):
         caches = tempfile.mkdtemp()
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": f"{caches}/inductor",
                "TRITON_CACHE_DIR": f"{caches}/triton"}
         for run in ("cold", "warm"):
-            command = [sys.executable, "generate.py", "--checkpoint", a.checkpoint, "--prompt",
-                       "Hello, my name is",
-                       "--max-new-tokens", "64", *flags]
-            t = time.perf_counter()
-            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                                       cwd=pathlib.Path(__file__).resolve().parent.parent)
-            process.stdout.read(1)
-            first = time.perf_counter() - t
-            _, err = process.communicate()
-            rows.append({"flags": " ".join(flags), "run": run, "first_text_s": round(first, 1),
-                         "total_s": round(time.perf_counter() - t, 1), "report": err.decode().strip()[-300:]})
+            command = [sys.executable, __file__, "first-text", "--inner", "--size", a.size, "--modes", mode]
+            out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
+            rows.append({**json.loads(out.strip().splitlines()[-1]), "run": run})
     return rows
 
 
@@ -248,7 +263,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("what", choices=["decode", "ttft", "first-text", "bandwidth"])
     ap.add_argument("--size", default="0.6B", choices=list(PRESETS))
-    ap.add_argument("--modes", default="compile", help="comma-separated: eager, compile")
+    ap.add_argument("--modes", default="compile", help=f"comma-separated: {', '.join(MODES)}")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--cache", type=int, default=1024, help="KV cache positions")
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens")
@@ -258,9 +273,9 @@ def main():
     ap.add_argument("--int8", action="store_true")
     ap.add_argument("--greedy", action="store_true", help="greedy decoding, as the peer (default: sampled)")
     ap.add_argument("--no-kernels", action="store_true", help="PyTorch's ops instead of kernels.py")
-    ap.add_argument("--profile", action="store_true", help="with the compile mode: the kernels of a step")
+    ap.add_argument("--profile", action="store_true", help="graphed modes: the kernels of a step")
     ap.add_argument("--peer", action="store_true", help="transformers, in the same process")
-    ap.add_argument("--checkpoint", help="first-text: a converted checkpoint")
+    ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)  # first-text's own processes
     a = ap.parse_args()
     if a.what == "bandwidth":
         rows = [{"read_GB_s": round(bandwidth(), 1), "gpu": torch.cuda.get_device_name()}]
