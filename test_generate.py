@@ -1255,8 +1255,8 @@ def test_eos_comes_from_config_json_too(tiny, tmp_path):
 def test_report_says_what_a_user_can_act_on():
     stats = G.GenerationStats(prefill_s=0.05, first_step_s=2.0, decode_s=0.5, decode_steps=50)
     eager = G.report(stats, [[1] * 30], compiled=False)  # no compilation to speak of
-    assert eager == ("30 new tokens in 1 row. Time to first token 0.050 s; then 100.0 tok/s per row, 100.0 in "
-                     "all, over 50 steps.")
+    assert eager == ("30 new tokens in 1 row. Time to first token 0.050 s; then 100.0 tok/s per row, 100.0 "
+                     "in all, over 50 steps.")
     compiled = G.report(stats, [[1] * 30, [2] * 52], compiled=True)
     assert compiled == ("82 new tokens in 2 rows. Time to first token 0.050 s; the first decode step 2.00 s "
                         "(compilation and graph capture); then 100.0 tok/s per row, 200.0 in all, over 50 "
