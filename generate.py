@@ -61,29 +61,7 @@ class SamplingParams:
         return params
 
 
-def mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (Mueller's; a bijection), in int64 arithmetic that never overflows."""
-    for _ in range(2):
-        x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
-    return (x >> 16) ^ x
-
-
-def sampling_keys(seed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """The key (R, 1) of each row's noise, from the generation's seed (1,) and the positions (R, 1) of the
-    tokens being fed: a new key at every step and in every row."""
-    rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
-    return mix32((mix32(seed ^ rows) + positions) & 0xFFFFFFFF)
-
-
-def gumbel_noise(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Gumbel(0, 1) noise for candidate token ids (R, C): a pure function of the keys (R, 1) and the ids, so
-    eager, compiled and graphed steps draw the same numbers (torch.rand's streams differ between them)."""
-    bits = mix32(keys ^ ids) >> 9  # 23 bits: (bits + 0.5) / 2^23 is exact in fp32, never 0 or 1
-    uniform = (bits.float() + 0.5) / (1 << 23)
-    return -torch.log(-torch.log(uniform))
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, keys: torch.Tensor) -> torch.Tensor:
+def sample(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Next ids (R,) from logits (R, V) without a host sync. Greedy at temperature 0; otherwise Gumbel-max:
     argmax(logits/T + g) with g ~ Gumbel(0, 1) is an exact draw from softmax(logits/T). top-k and top-p keep
     static shapes: the candidates come from topk (a full sort for top-p alone), the rest masked out."""
@@ -91,15 +69,13 @@ def sample(logits: torch.Tensor, params: SamplingParams, keys: torch.Tensor) -> 
         return logits.argmax(-1)
     scores = logits.float() / params.temperature
     vocab = logits.shape[-1]
-    if 0 < params.top_k < vocab or params.top_p < 1:
-        # sorted, largest first
-        scores, ids = scores.topk(params.top_k if 0 < params.top_k < vocab else vocab)
-    else:  # nothing to filter: no sort
-        ids = torch.arange(vocab, device=logits.device).expand_as(scores)
+    if not (0 < params.top_k < vocab or params.top_p < 1):  # nothing to filter: no sort
+        return (scores - torch.log(-torch.log(torch.rand_like(scores)))).argmax(-1)
+    scores, ids = scores.topk(params.top_k if 0 < params.top_k < vocab else vocab)  # sorted, largest first
     if params.top_p < 1:  # keep the smallest head whose mass reaches top_p (the first candidate always stays)
         probs = scores.softmax(-1)
         scores = scores.masked_fill(probs.cumsum(-1) - probs >= params.top_p, float("-inf"))
-    choice = (scores + gumbel_noise(keys, ids)).argmax(-1)
+    choice = (scores - torch.log(-torch.log(torch.rand_like(scores)))).argmax(-1)
     return ids.gather(-1, choice[:, None])[:, 0]
 
 
@@ -111,8 +87,7 @@ class DecodeState:
         self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)  # and its position
         self.out = torch.zeros(batch, capacity, dtype=torch.long, device=device)  # the tokens generated
         self.step = torch.zeros(1, dtype=torch.long, device=device)  # the column of `out` the next goes to
-        self.seed = torch.zeros(1, dtype=torch.long, device=device)  # the generation's, for sampling_keys
-        for t in (self.tokens, self.positions, self.out, self.step, self.seed):  # cudagraph trees: inputs
+        for t in (self.tokens, self.positions, self.out, self.step):  # cudagraph trees: inputs, not copies
             torch._dynamo.mark_static_address(t)
 
 
@@ -120,7 +95,7 @@ def decode_one_token(model: Transformer, state: DecodeState, kv_positions: torch
                      sampling: SamplingParams, use_kernels: bool) -> None:
     """One step for every row, device-side only: the eager, compiled and graphed modes all run this."""
     logits = model(state.tokens, state.positions, kv_positions, use_kernels=use_kernels)
-    token = sample(logits[:, -1], sampling, sampling_keys(state.seed, state.positions))
+    token = sample(logits[:, -1], sampling)
     state.tokens.copy_(token[:, None])
     state.positions.add_(1)
     state.out.index_copy_(1, state.step, token[:, None])
@@ -194,6 +169,9 @@ class Generator:
         def step(kv_positions):
             decode_one_token(model, self.state, kv_positions, sampling, use_kernels)
         if compile:  # captured in CUDA graphs, inductor's or ours: one per attended length
+            # Inductor's own random numbers differ from eager's: this makes it call eager's, so that one seed
+            # gives one stream of noise in every mode (a process-wide setting; torch has no narrower one).
+            torch._inductor.config.fallback_random = True
             step = torch.compile(step, mode=None if cuda_graph else "reduce-overhead", fullgraph=True)
         if cuda_graph:
             step = CUDAGraphs(step)
@@ -214,8 +192,7 @@ class Generator:
             logits = self.model(torch.tensor([tokens], device=device), positions,
                                 self.model.key_positions[:len(tokens)], rows=slice(row, row + 1),
                                 last_only=True, use_kernels=self.use_kernels)
-            keys = sampling_keys(state.seed, positions[:, -1:])
-            state.tokens[row] = sample(logits[:, -1], self.sampling, keys)
+            state.tokens[row] = sample(logits[:, -1], self.sampling)
         state.positions.zero_()
         state.positions[:len(prompts), 0] = torch.tensor([len(p) for p in prompts], device=device)
         state.out[:, 0] = state.tokens[:, 0]
@@ -226,8 +203,8 @@ class Generator:
                  on_tokens=None) -> tuple[list[list[int]], GenerationStats]:
         """Each prompt in its own cache row at its own length until every row has produced a stop token or
         max_new tokens. Returns each row's new tokens, cut before its first stop token, and timings.
-        on_tokens(rows) gets the tokens so far at each check. Sampling draws its seed from torch's random
-        generator: torch.manual_seed makes the tokens reproducible, the same in every mode."""
+        on_tokens(rows) gets the tokens so far at each check. Sampling draws from torch's random generator:
+        torch.manual_seed makes the tokens reproducible, the same in every mode."""
         if not 1 <= len(prompts) <= self.batch or not all(prompts):
             raise UserError(f"give 1 to {self.batch} prompts, none empty (got {len(prompts)})")
         ends = [len(prompt) for prompt in prompts]
@@ -235,7 +212,6 @@ class Generator:
             raise UserError(f"prompt ({max(ends)} tokens) + max new tokens ({max_new}) is over the cache "
                             f"length {self.capacity}: raise --cache-len or lower --max-new-tokens")
         state = self.state
-        state.seed.fill_(int(torch.randint(1 << 32, ())))
         sync = torch.cuda.synchronize if state.tokens.is_cuda else (lambda: None)
         t0 = time.perf_counter()
         self.prefill(prompts)

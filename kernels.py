@@ -118,8 +118,8 @@ def _attention(qkv, k, v, first_row, pos, cos, sin, q_norm, k_norm, o, lse, qkv_
     p = tl.load(pos + r)
     KV_HEADS = tl.num_programs(1)
     H = GROUP * KV_HEADS
-    cs = tl.load(cos + r * cs_row + d, mask=dmask, other=0.0).to(tl.float32)
-    sn = tl.load(sin + r * cs_row + d, mask=dmask, other=0.0).to(tl.float32)
+    cs = tl.load(cos + p * cs_row + d, mask=dmask, other=0.0).to(tl.float32)
+    sn = tl.load(sin + p * cs_row + d, mask=dmask, other=0.0).to(tl.float32)
     row = qkv + r * qkv_row
     qt = _norm_rope(row, (h * GROUP + g) * HEAD_DIM, g < GROUP, q_norm, cs, sn, eps, HEAD_DIM, D)
     qt = qt.to(k.dtype.element_ty)  # rounded as the model's activations are
@@ -261,7 +261,7 @@ def decode_attention(qkv: Tensor, cache_k: Tensor, cache_v: Tensor, first_row: i
                      splits: int = 32) -> Tensor:
     """One query per row: qkv (R, 1, (heads + 2 kv_heads) * head_dim), the fused projection, at positions (R,)
     of cache rows first_row ... first_row + R - 1 of cache_k/cache_v (slots, kv_heads, capacity, head_dim),
-    which get the new key and value there; cos/sin (R, ..., head_dim) at the positions; q_norm/k_norm the
+    which get the new key and value there; cos/sin the RoPE tables (positions, head_dim); q_norm/k_norm the
     RMSNorm weights. Attends to keys at positions <= the query's, split over the keys into `splits` programs
     per (row, kv head), so that one row still fills the GPU; returns (R, heads, head_dim)."""
     R = qkv.shape[0]

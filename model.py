@@ -187,9 +187,9 @@ class ForwardContext:
     """What every layer needs to know about the tokens of one forward pass besides their activations."""
     rows: slice  # the cache rows of the batch
     positions: Tensor  # (R, T) absolute positions of the tokens
-    cos: Tensor  # (R, T, 1, head_dim) RoPE at those positions
+    cos: Tensor  # (R, T, 1, head_dim) RoPE at those positions; fused: the whole table (capacity, head_dim)
     sin: Tensor
-    mask: Tensor  # (R, 1, T, kv_len), True where a token may attend
+    mask: Tensor | None  # (R, 1, T, kv_len), True where a token may attend; fused: None
     fused: bool  # one token on CUDA: the projections run as the Triton kernel
 
 
@@ -333,9 +333,11 @@ class Transformer(nn.Module):
         if self.layers[0].self_attn.kv_cache is None:
             raise RuntimeError("call setup_cache(slots, capacity) before running the model")
         fused = use_kernels and tokens.numel() == 1
-        mask = (kv_positions <= positions[..., None])[:, None]  # causal: hides unwritten and stale slots too
-        cos = self.rope_cos[positions][:, :, None]
-        sin = self.rope_sin[positions][:, :, None]
+        mask = None  # the kernels need none, and read the RoPE tables at the positions themselves
+        cos, sin = self.rope_cos, self.rope_sin
+        if not fused:
+            mask = (kv_positions <= positions[..., None])[:, None]  # causal: hides unwritten and stale slots
+            cos, sin = cos[positions][:, :, None], sin[positions][:, :, None]
         ctx = ForwardContext(rows=rows, positions=positions, cos=cos, sin=sin, mask=mask, fused=fused)
         x = self.embed_tokens(tokens)
         for layer in self.layers:
