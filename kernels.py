@@ -33,7 +33,6 @@ def _route(router, EXPERTS: tl.constexpr, TOP_K: tl.constexpr, NORM_TOPK: tl.con
         weights = weights / tl.sum(weights, axis=0)
     return ids, weights
 
-
 @triton.jit
 def _gemv(x, w, scale, norm, res, out, router, N, K, x_row, eps: tl.constexpr, NORM: tl.constexpr,
           GATED: tl.constexpr, SCALE: tl.constexpr, RES: tl.constexpr, EXPERTS: tl.constexpr,
@@ -88,7 +87,6 @@ def _gemv(x, w, scale, norm, res, out, router, N, K, x_row, eps: tl.constexpr, N
         y = y + tl.load(res + n, mask=n < N, other=0.0).to(tl.float32)
     tl.store(out + j * N + n, y.to(out.dtype.element_ty), mask=n < N)
 
-
 @triton.jit
 def _norm_rope(x, rows, rowmask, w, cos, sin, eps, HEAD_DIM: tl.constexpr, D: tl.constexpr):
     # RMSNorm over each row's head_dim, times w, then RoPE in the split-halves layout: as q_norm/k_norm
@@ -104,18 +102,16 @@ def _norm_rope(x, rows, rowmask, w, cos, sin, eps, HEAD_DIM: tl.constexpr, D: tl
     rotated = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)[None, :] * xo * wo[None, :] * sin[None, :]
     return (xd * wd[None, :] * cos[None, :] + rotated) * rstd
 
-
 @triton.jit
-def _attention(qkv, k, v, done, first_row, pos, cos, sin, q_norm, k_norm, o, lse, out, qkv_row, cs_row, k_row,
+def _attention(qkv, k, v, first_row, pos, cos, sin, q_norm, k_norm, o, lse, qkv_row, cs_row, k_row,
                k_head, k_pos, eps: tl.constexpr, sm_scale: tl.constexpr, GROUP: tl.constexpr,
                HEAD_DIM: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                SPLITS: tl.constexpr):
     # Program (row r, kv head h, split s), from the row's fused q|k|v projection: normalises and rotates
     # the GROUP query heads of h, attends over the split's share of the keys at positions <= p, the
     # query's (the cost follows the live length, not the cache's), and writes the softmax-normalised
-    # partial output and its log-sum-exp; the last split of (r, h) to finish merges them into `out`. The
-    # split whose share holds p first writes the new key (normalised and rotated) and value there; no other
-    # program reads position p.
+    # partial output and its log-sum-exp for _merge. The split whose share holds p first writes the new
+    # key (normalised and rotated) and value there; no other program reads position p.
     r, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g, d = tl.arange(0, G), tl.arange(0, D)
     dmask = d < HEAD_DIM
@@ -156,33 +152,20 @@ def _attention(qkv, k, v, done, first_row, pos, cos, sin, q_norm, k_norm, o, lse
         total = total * alpha + tl.sum(e, axis=1)
         acc = acc * alpha[:, None] + tl.dot(e.to(vt.dtype), vt, input_precision="ieee")
         m = m_new
-    heads = r * H + h * GROUP + g  # (G,) the query heads of this program
-    gmask = (g[:, None] < GROUP) & dmask[None, :]
-    tl.store(o + (heads * SPLITS + s)[:, None] * HEAD_DIM + d[None, :],
-             acc / tl.where(total > 0, total, 1.0)[:, None], mask=gmask)
-    tl.store(lse + heads * SPLITS + s, m + tl.log(total), mask=g < GROUP)  # -inf for an empty split
-    # done counts the finished splits of each (row, kv head); the last one merges, and sets it back to 0
-    # for the next step. The barrier orders all of this program's stores before the count's release.
-    tl.debug_barrier()
-    counter = done + (first_row + r) * KV_HEADS + h
-    if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
-        tl.debug_barrier()  # every thread's loads after the count's acquire
-        # The splits' outputs weighted by exp(lse) over their sum, which is exact; online, as above.
-        m = tl.full([G], float("-inf"), tl.float32)
-        total = tl.zeros([G], tl.float32)
-        y = tl.zeros([G, D], tl.float32)
-        for t in range(SPLITS):
-            lse_t = tl.load(lse + heads * SPLITS + t, mask=g < GROUP, other=0.0)  # split 0 is never empty
-            m_new = tl.maximum(m, lse_t)
-            alpha = tl.exp(m - m_new)
-            w = tl.exp(lse_t - m_new)
-            o_t = tl.load(o + (heads * SPLITS + t)[:, None] * HEAD_DIM + d[None, :], mask=gmask, other=0.0)
-            y = y * alpha[:, None] + w[:, None] * o_t
-            total = total * alpha + w
-            m = m_new
-        tl.store(out + heads[:, None] * HEAD_DIM + d[None, :], (y / total[:, None]).to(out.dtype.element_ty),
-                 mask=gmask)
-        tl.store(counter, 0)
+    out = (r * H + h * GROUP + g) * SPLITS + s  # index into (rows, heads, SPLITS)
+    tl.store(o + out[:, None] * HEAD_DIM + d[None, :], acc / tl.where(total > 0, total, 1.0)[:, None],
+             mask=(g[:, None] < GROUP) & dmask[None, :])
+    tl.store(lse + out, m + tl.log(total), mask=g < GROUP)  # -inf for an empty split
+
+@triton.jit
+def _merge(o, lse, out, HEAD_DIM: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):
+    # One (row, head): the splits' outputs weighted by exp(lse) over their sum, which is exact.
+    i, s, d = tl.program_id(0), tl.arange(0, SPLITS), tl.arange(0, D)
+    w = tl.load(lse + i * SPLITS + s)
+    w = tl.exp(w - tl.max(w, axis=0))
+    parts = tl.load(o + (i * SPLITS + s[:, None]) * HEAD_DIM + d[None, :], mask=d[None, :] < HEAD_DIM)
+    y = tl.sum(parts * w[:, None], axis=0) / tl.sum(w, axis=0)
+    tl.store(out + i * HEAD_DIM + d, y.to(out.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 # Launch configurations of _gemv by what it fuses into its input and how the weights are stored, from sweeps
@@ -272,32 +255,31 @@ def _(x, weight, scale=None, norm=None, eps=0.0, gated=False, residual=None, rou
     return x.new_empty(gemv_shape(x, weight, router, top_k, routed))
 
 
-@torch.library.custom_op("qwen3_fast::decode_attention", mutates_args=("cache_k", "cache_v", "splits_done"))
-def decode_attention(qkv: Tensor, cache_k: Tensor, cache_v: Tensor, splits_done: Tensor, first_row: int,
-                     positions: Tensor, cos: Tensor, sin: Tensor, q_norm: Tensor, k_norm: Tensor, eps: float,
-                     heads: int, splits: int = 32) -> Tensor:
+@torch.library.custom_op("qwen3_fast::decode_attention", mutates_args=("cache_k", "cache_v"))
+def decode_attention(qkv: Tensor, cache_k: Tensor, cache_v: Tensor, first_row: int, positions: Tensor,
+                     cos: Tensor, sin: Tensor, q_norm: Tensor, k_norm: Tensor, eps: float, heads: int,
+                     splits: int = 32) -> Tensor:
     """One query per row: qkv (R, 1, (heads + 2 kv_heads) * head_dim), the fused projection, at positions (R,)
     of cache rows first_row ... first_row + R - 1 of cache_k/cache_v (slots, kv_heads, capacity, head_dim),
     which get the new key and value there; cos/sin the RoPE tables (positions, head_dim); q_norm/k_norm the
     RMSNorm weights. Attends to keys at positions <= the query's, split over the keys into `splits` programs
-    per (row, kv head), so that one row still fills the GPU; returns (R, heads, head_dim). splits_done
-    (slots, kv_heads) int32, zeros: the kernel's count of finished splits, zeros again when it returns."""
+    per (row, kv head), so that one row still fills the GPU; returns (R, heads, head_dim)."""
     R = qkv.shape[0]
     kv_heads, head_dim = cache_k.shape[1], cache_k.shape[3]
     o = torch.empty(R, heads, splits, head_dim, dtype=torch.float32, device=qkv.device)
     lse = torch.empty(R, heads, splits, dtype=torch.float32, device=qkv.device)
-    out = torch.empty(R, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     group = heads // kv_heads
     D = max(16, triton.next_power_of_2(head_dim))  # tl.dot wants blocks of at least 16
     k_row, k_head, k_pos, _ = cache_k.stride()
     _attention[(R, kv_heads, splits)](
-        qkv, cache_k, cache_v, splits_done, first_row, positions, cos, sin, q_norm, k_norm, o, lse, out,
-        qkv.stride(0), cos.stride(0), k_row, k_head, k_pos, eps=eps, sm_scale=head_dim ** -0.5, GROUP=group,
+        qkv, cache_k, cache_v, first_row, positions, cos, sin, q_norm, k_norm, o, lse, qkv.stride(0),
+        cos.stride(0), k_row, k_head, k_pos, eps=eps, sm_scale=head_dim ** -0.5, GROUP=group,
         HEAD_DIM=head_dim, G=max(16, triton.next_power_of_2(group)), D=D, BLOCK=32, SPLITS=splits)
+    out = torch.empty(R, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    _merge[(R * heads,)](o, lse, out, HEAD_DIM=head_dim, D=D, SPLITS=splits)
     return out
 
 
 @decode_attention.register_fake
-def _(qkv, cache_k, cache_v, splits_done, first_row, positions, cos, sin, q_norm, k_norm, eps, heads,
-      splits=32):
+def _(qkv, cache_k, cache_v, first_row, positions, cos, sin, q_norm, k_norm, eps, heads, splits=32):
     return qkv.new_empty(qkv.shape[0], heads, cache_k.shape[-1])

@@ -167,9 +167,6 @@ class StaticKVCache(nn.Module):
         shape = (slots, kv_heads, capacity, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        # kernels.decode_attention's count of the finished splits of each (slot, kv head): zeros between steps
-        self.register_buffer("splits_done", torch.zeros(slots, kv_heads, dtype=torch.int32, device=device),
-                             persistent=False)
 
     def update(self, rows: slice, positions: Tensor, k: Tensor, v: Tensor, kv_len: int):
         """Writes k, v (R, T, kv_heads, head_dim) at (row, position) pairs; returns the keys and values of the
@@ -213,10 +210,10 @@ class Attention(nn.Module):
         R, T, _ = x.shape
         qkv = project(self.qkv_proj, x, norm=norm, fused=ctx.fused)
         cache = self.kv_cache
-        if ctx.fused:  # the q/k norms, RoPE, the cache write and attention in one kernel
-            y = kernels.decode_attention(qkv, cache.k, cache.v, cache.splits_done, ctx.rows.start or 0,
-                                         ctx.positions[:, 0], ctx.cos, ctx.sin, self.q_norm.weight,
-                                         self.k_norm.weight, self.q_norm.eps, self.n_heads)
+        if ctx.fused:  # the q/k norms, RoPE, the cache write and attention in one kernel (and a merge)
+            y = kernels.decode_attention(qkv, cache.k, cache.v, ctx.rows.start or 0, ctx.positions[:, 0],
+                                         ctx.cos, ctx.sin, self.q_norm.weight, self.k_norm.weight,
+                                         self.q_norm.eps, self.n_heads)
         else:
             q, k, v = qkv.view(R, T, -1, self.head_dim).split([self.n_heads, self.n_kv, self.n_kv], dim=2)
             q = apply_rope(self.q_norm(q), ctx.cos, ctx.sin)

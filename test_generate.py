@@ -1367,10 +1367,8 @@ def test_kernel_decode_attention_matches_reference_ops(device, dtype, tol, heads
     mask = (torch.arange(capacity, device=device) <= positions[:, None])[:, None, None]
     want = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), want_k[1:], want_v[1:],
                                                             attn_mask=mask, enable_gqa=True)[:, :, 0]
-    done = torch.zeros(R + 1, kv_heads, dtype=torch.int32, device=device)
-    got = kernels.decode_attention(qkv, cache_k, cache_v, done, 1, positions, cos_table, sin_table, q_norm,
-                                   k_norm, eps, heads, splits)
-    assert not done.any()  # ready for the next step
+    got = kernels.decode_attention(qkv, cache_k, cache_v, 1, positions, cos_table, sin_table, q_norm, k_norm,
+                                   eps, heads, splits)
     assert_close(got, want, tol, "attention")
     written = torch.zeros_like(cache_k, dtype=torch.bool)
     written[rows, :, positions] = True

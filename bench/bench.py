@@ -195,10 +195,9 @@ def attention(a: argparse.Namespace) -> list:
         table = torch.randn(length + 1, head_dim, device="cuda", dtype=torch.bfloat16)
         norm = torch.ones(head_dim, device="cuda", dtype=torch.bfloat16)
         position = torch.tensor([length - 1], device="cuda")
-        done = torch.zeros(1, kv_heads, dtype=torch.int32, device="cuda")
         for splits in (8, 16, 32, 64, 128):
-            call = functools.partial(kernels.decode_attention, qkv, k, v, done, 0, position, table, table,
-                                     norm, norm, 1e-6, heads, splits)
+            call = functools.partial(kernels.decode_attention, qkv, k, v, 0, position, table, table, norm,
+                                     norm, 1e-6, heads, splits)
             us = 1e3 * triton.testing.do_bench(call, return_mode="median")
             rows.append({"size": a.size, "length": length, "splits": splits, "us": round(us, 2),
                          "GB_s": round(2 * k[:, :, :length].numel() * 2 / us / 1e3)})
