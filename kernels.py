@@ -258,12 +258,15 @@ def _(x, weight, scale=None, norm=None, eps=0.0, gated=False, residual=None, rou
 @torch.library.custom_op("qwen3_fast::decode_attention", mutates_args=("cache_k", "cache_v"))
 def decode_attention(qkv: Tensor, cache_k: Tensor, cache_v: Tensor, first_row: int, positions: Tensor,
                      cos: Tensor, sin: Tensor, q_norm: Tensor, k_norm: Tensor, eps: float, heads: int,
-                     splits: int = 32) -> Tensor:
+                     kv_len: int) -> Tensor:
     """One query per row: qkv (R, 1, (heads + 2 kv_heads) * head_dim), the fused projection, at positions (R,)
     of cache rows first_row ... first_row + R - 1 of cache_k/cache_v (slots, kv_heads, capacity, head_dim),
     which get the new key and value there; cos/sin the RoPE tables (positions, head_dim); q_norm/k_norm the
-    RMSNorm weights. Attends to keys at positions <= the query's, split over the keys into `splits` programs
-    per (row, kv head), so that one row still fills the GPU; returns (R, heads, head_dim)."""
+    RMSNorm weights. Attends to keys at positions <= the query's, split over the keys into programs per (row,
+    kv head), so that one row still fills the GPU; returns (R, heads, head_dim). kv_len, a bound on the
+    positions (the attended length), sets the number of splits: a 32-key block each at most, and at most 64,
+    which measured best on the H200 (bench/RESULTS.md); any kv_len gives the same result."""
+    splits = min(64, triton.next_power_of_2(triton.cdiv(kv_len, 32)))  # a power of two, for the merge
     R = qkv.shape[0]
     kv_heads, head_dim = cache_k.shape[1], cache_k.shape[3]
     o = torch.empty(R, heads, splits, head_dim, dtype=torch.float32, device=qkv.device)
@@ -281,5 +284,5 @@ def decode_attention(qkv: Tensor, cache_k: Tensor, cache_v: Tensor, first_row: i
 
 
 @decode_attention.register_fake
-def _(qkv, cache_k, cache_v, first_row, positions, cos, sin, q_norm, k_norm, eps, heads, splits=32):
+def _(qkv, cache_k, cache_v, first_row, positions, cos, sin, q_norm, k_norm, eps, heads, kv_len):
     return qkv.new_empty(qkv.shape[0], heads, cache_k.shape[-1])

@@ -190,6 +190,7 @@ class ForwardContext:
     cos: Tensor  # (R, T, 1, head_dim) RoPE at those positions; fused: the whole table (capacity, head_dim)
     sin: Tensor
     mask: Tensor | None  # (R, 1, T, kv_len), True where a token may attend; fused: None
+    kv_len: int  # the attended length: every position so far is below it
     fused: bool  # one token on CUDA: the projections run as the Triton kernel
 
 
@@ -213,12 +214,12 @@ class Attention(nn.Module):
         if ctx.fused:  # the q/k norms, RoPE, the cache write and attention in one kernel (and a merge)
             y = kernels.decode_attention(qkv, cache.k, cache.v, ctx.rows.start or 0, ctx.positions[:, 0],
                                          ctx.cos, ctx.sin, self.q_norm.weight, self.k_norm.weight,
-                                         self.q_norm.eps, self.n_heads)
+                                         self.q_norm.eps, self.n_heads, ctx.kv_len)
         else:
             q, k, v = qkv.view(R, T, -1, self.head_dim).split([self.n_heads, self.n_kv, self.n_kv], dim=2)
             q = apply_rope(self.q_norm(q), ctx.cos, ctx.sin)
             k = apply_rope(self.k_norm(k), ctx.cos, ctx.sin)
-            keys, values = cache.update(ctx.rows, ctx.positions, k, v, ctx.mask.shape[-1])
+            keys, values = cache.update(ctx.rows, ctx.positions, k, v, ctx.kv_len)
             y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=ctx.mask,
                                                enable_gqa=True).transpose(1, 2)
         return project(self.o_proj, y.reshape(R, T, -1), residual=residual, fused=ctx.fused)
@@ -338,7 +339,8 @@ class Transformer(nn.Module):
         if not fused:
             mask = (kv_positions <= positions[..., None])[:, None]  # causal: hides unwritten and stale slots
             cos, sin = cos[positions][:, :, None], sin[positions][:, :, None]
-        ctx = ForwardContext(rows=rows, positions=positions, cos=cos, sin=sin, mask=mask, fused=fused)
+        ctx = ForwardContext(rows=rows, positions=positions, cos=cos, sin=sin, mask=mask,
+                             kv_len=kv_positions.shape[0], fused=fused)
         x = self.embed_tokens(tokens)
         for layer in self.layers:
             x = layer(x, ctx)

@@ -1340,8 +1340,8 @@ def test_kernel_gemv_of_picked_experts_matches_reference_ops(device, dtype, tol,
 
 @pytest.mark.parametrize("device,dtype,tol", KERNEL_RUNS)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (4, 2, 128), (8, 2, 64)])  # GQA 1, 2, 4
-@pytest.mark.parametrize("splits", [1, 4])
-def test_kernel_decode_attention_matches_reference_ops(device, dtype, tol, heads, kv_heads, head_dim, splits):
+@pytest.mark.parametrize("kv_len", [32, 128, 256])  # 1, 4 and 8 splits
+def test_kernel_decode_attention_matches_reference_ops(device, dtype, tol, heads, kv_heads, head_dim, kv_len):
     """One query per row, rows at different positions: around the 32-key block and the split boundaries
     (chunks of ceil(ceil((p + 1) / splits) / 32) * 32 keys), the first position and the cache's last. The
     cache holds random stale keys past each row's position: the kernel must not read them."""
@@ -1368,7 +1368,7 @@ def test_kernel_decode_attention_matches_reference_ops(device, dtype, tol, heads
     want = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), want_k[1:], want_v[1:],
                                                             attn_mask=mask, enable_gqa=True)[:, :, 0]
     got = kernels.decode_attention(qkv, cache_k, cache_v, 1, positions, cos_table, sin_table, q_norm, k_norm,
-                                   eps, heads, splits)
+                                   eps, heads, kv_len)
     assert_close(got, want, tol, "attention")
     written = torch.zeros_like(cache_k, dtype=torch.bool)
     written[rows, :, positions] = True

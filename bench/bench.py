@@ -8,7 +8,6 @@
     python bench/bench.py decode --size 0.6B --no-kernels              # PyTorch's ops only
     python bench/bench.py ttft --size 8B --prompt 2048 --peer             # time to first token
     python bench/bench.py first-text --modes graph,compile  # from the model on the GPU to the first text
-    python bench/bench.py attention --size 8B            # the decode attention kernel over lengths and splits
     python bench/bench.py bandwidth                      # the decode ceiling's denominator
 
 Decode tok/s comes from two generation lengths in one process, (n2 - n1) / (t2 - t1), which cancels prefill
@@ -18,7 +17,6 @@ with a static cache and torch.compile, greedy (do_sample=False), measured the sa
 Every result is one JSON line on stdout.
 """
 import argparse
-import functools
 import gc
 import json
 import os
@@ -180,30 +178,6 @@ def profile(gen: G.Generator, tok_s: float, needed: int) -> list:
         {"us": round(e.device_time_total / 10, 1), "count": e.count // 10, "name": e.key[:80]} for e in top]
 
 
-def attention(a: argparse.Namespace) -> list:
-    """kernels.decode_attention alone for one row of --size's shapes: us per call (median of do_bench) and the
-    cache's read GB/s, over attended lengths and split counts."""
-    import triton
-    import kernels
-    p = PRESETS[a.size]
-    heads, kv_heads, head_dim = p["num_attention_heads"], p["num_key_value_heads"], 128
-    rows = []
-    for length in (512, 4096, 32000):
-        k = torch.randn(1, kv_heads, length + 1, head_dim, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-        qkv = torch.randn(1, 1, (heads + 2 * kv_heads) * head_dim, device="cuda", dtype=torch.bfloat16)
-        table = torch.randn(length + 1, head_dim, device="cuda", dtype=torch.bfloat16)
-        norm = torch.ones(head_dim, device="cuda", dtype=torch.bfloat16)
-        position = torch.tensor([length - 1], device="cuda")
-        for splits in (8, 16, 32, 64, 128):
-            call = functools.partial(kernels.decode_attention, qkv, k, v, 0, position, table, table, norm,
-                                     norm, 1e-6, heads, splits)
-            us = 1e3 * triton.testing.do_bench(call, return_mode="median")
-            rows.append({"size": a.size, "length": length, "splits": splits, "us": round(us, 2),
-                         "GB_s": round(2 * k[:, :, :length].numel() * 2 / us / 1e3)})
-    return rows
-
-
 def peer_model(size: str):
     import transformers
     moe = "num_experts" in PRESETS[size]
@@ -287,7 +261,7 @@ def first_text(a: argparse.Namespace) -> list:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=["decode", "ttft", "first-text", "attention", "bandwidth"])
+    ap.add_argument("what", choices=["decode", "ttft", "first-text", "bandwidth"])
     ap.add_argument("--size", default="0.6B", choices=list(PRESETS))
     ap.add_argument("--modes", default="compile", help=f"comma-separated: {', '.join(MODES)}")
     ap.add_argument("--batch", type=int, default=1)
@@ -309,8 +283,6 @@ def main():
         rows = ttft(a)
     elif a.what == "first-text":
         rows = first_text(a)
-    elif a.what == "attention":
-        rows = attention(a)
     else:
         rows = []
         for mode in a.modes.split(","):
