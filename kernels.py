@@ -184,25 +184,6 @@ GEMV_CONFIGS = {  # BN: weight rows per program, BK: weight words per block
 }
 
 
-# Custom ops: torch.compile calls them as they are, instead of analysing the kernels at each of their call
-
-
-# Launch configurations of _gemv by what it fuses into its input and how the weights are stored, from sweeps
-# on the H200 over the 0.6B-8B shapes: more rows per program where the work on x is costlier, or for int8.
-GEMV_CONFIGS = {  # BN: weight rows per program, BK: weight words per block
-    ("norm", "float"): dict(BN=8, BK=512, num_warps=2),
-    ("gated", "float"): dict(BN=4, BK=1024, num_warps=8),
-    ("plain", "float"): dict(BN=2, BK=512, num_warps=2),
-    ("norm", "int8"): dict(BN=16, BK=128, num_warps=4),
-    ("gated", "int8"): dict(BN=8, BK=512, num_warps=8),
-    ("plain", "int8"): dict(BN=8, BK=512, num_warps=4),
-    ("picked", "float"): dict(BN=16, BK=256, num_warps=2),  # MoE gate-up, 30B-A3B's shapes
-    ("routed", "float"): dict(BN=8, BK=256, num_warps=4),  # MoE down
-    ("picked", "int8"): dict(BN=32, BK=128, num_warps=4),
-    ("routed", "int8"): dict(BN=8, BK=256, num_warps=4),
-}
-
-
 def gemv_shape(x: Tensor, weight: Tensor, router: Tensor | None, top_k: int, routed: bool) -> list[int]:
     if router is None:
         return [*x.shape[:-1], weight.shape[-2]]
@@ -211,8 +192,8 @@ def gemv_shape(x: Tensor, weight: Tensor, router: Tensor | None, top_k: int, rou
     return [top_k, weight.shape[-2]]
 
 
-# A custom op: torch.compile calls it as it is, instead of analysing the kernel at each of its call sites
-# (four or five a layer), which would be most of its compile time.
+# Custom ops: torch.compile calls them as they are, instead of analysing the kernels at each of their call
+# sites (five a layer), which would be most of its compile time.
 @torch.library.custom_op("qwen3_fast::gemv", mutates_args=())
 def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | None = None, eps: float = 0.0,
          gated: bool = False, residual: Tensor | None = None, router: Tensor | None = None, top_k: int = 0,
