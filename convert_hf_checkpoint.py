@@ -93,7 +93,6 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
         shard = {}
-        size = 0
         n_shards = 0
         for name, parts in sources.items():
             missing = [hf for hf in parts if hf not in files]
@@ -116,11 +115,9 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
             if scale_name in expected:
                 w, shard[scale_name] = quantize_int8(w)
             shard[name] = w.contiguous()
-            size += w.numel() * w.element_size()
-            if size >= shard_bytes:
+            if sum(t.nbytes for t in shard.values()) >= shard_bytes:
                 save_file(shard, tmp / f"model-{n_shards:05d}.safetensors")
                 shard = {}
-                size = 0
                 n_shards += 1
         if shard:
             save_file(shard, tmp / f"model-{n_shards:05d}.safetensors")
@@ -139,7 +136,8 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
 
 def main(argv=None):
     ap = ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--checkpoint-dir", help="a Hugging Face Qwen3 snapshot (config.json + *.safetensors)")
+    ap.add_argument("--checkpoint-dir", required=True,
+                    help="a Hugging Face Qwen3 snapshot (config.json + *.safetensors)")
     ap.add_argument("--output", help="where to write (default: CHECKPOINT_DIR/converted, or converted-int8)")
     ap.add_argument("--int8", action="store_true", help="int8 weight-only (the blocks, an untied lm_head)")
     ap.add_argument("--shard-size-mb", type=POSITIVE, default=2048, help="size of each output file")
@@ -149,8 +147,6 @@ def main(argv=None):
     signal.signal(signal.SIGHUP, signal.default_int_handler)
     try:
         a = ap.parse_args(argv)
-        if not a.checkpoint_dir:
-            raise UserError("give --checkpoint-dir DIR, a Hugging Face snapshot")
         out = a.output or os.path.join(a.checkpoint_dir, "converted-int8" if a.int8 else "converted")
         convert(a.checkpoint_dir, out, a.int8, a.shard_size_mb << 20)
     except (UserError, OSError, SafetensorError) as e:  # a full disk: either error; the output is gone

@@ -184,17 +184,21 @@ class Generator:
         self.step(kv_positions)
 
     def prefill(self, prompts: list[list[int]]) -> None:
-        """Each prompt into its cache row, a row at a time; each row's first token sampled into the state."""
+        """Every prompt into its cache row in one forward, padded to the longest; each row's first token
+        sampled from its last real token into the state. The padding sits at positions after each prompt's
+        end, where the causal rule hides it from every real query, and each decode step writes its own key
+        and value over it before any query can read that position."""
         state = self.state
         device = state.tokens.device
-        for row, tokens in enumerate(prompts):
-            positions = torch.arange(len(tokens), device=device)[None]
-            logits = self.model(torch.tensor([tokens], device=device), positions,
-                                self.model.key_positions[:len(tokens)], rows=slice(row, row + 1),
-                                last_only=True, use_kernels=self.use_kernels)
-            state.tokens[row] = sample(logits[:, -1], self.sampling)
+        longest = max(map(len, prompts))
+        tokens = torch.tensor([p + [0] * (longest - len(p)) for p in prompts], device=device)
+        ends = torch.tensor([len(p) for p in prompts], device=device)
+        positions = torch.arange(longest, device=device).expand(len(prompts), -1)
+        logits = self.model(tokens, positions, None, rows=slice(0, len(prompts)), logits_at=ends - 1,
+                            use_kernels=self.use_kernels)
+        state.tokens[:len(prompts), 0] = sample(logits[:, -1], self.sampling)
         state.positions.zero_()
-        state.positions[:len(prompts), 0] = torch.tensor([len(p) for p in prompts], device=device)
+        state.positions[:len(prompts), 0] = ends
         state.out[:, 0] = state.tokens[:, 0]
         state.step.fill_(1)
 

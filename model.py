@@ -1,6 +1,7 @@
 """Qwen3 and Qwen3-MoE for fast decoding: fused projections, a static KV cache, one forward for prefill and
 decode."""
 import json
+import math
 import pathlib
 from dataclasses import dataclass, field, fields
 
@@ -30,9 +31,8 @@ def read_json(path) -> dict:
     return value
 
 
-# The JSON types that a config.json value of a ModelArgs field may have (bool is no int here); a field
-# missing from config.json counts as 0, which passes every check.
-CONFIG_TYPES = {int: (int,), float: (int, float), bool: (bool, int), list[int]: (list, int)}
+# The JSON types that a config.json value of a ModelArgs field may have (a bool is no int here).
+CONFIG_TYPES = {int: (int,), float: (int, float), bool: (bool,), list[int]: (list,), dict: (dict,)}
 
 
 @dataclass
@@ -56,6 +56,7 @@ class ModelArgs:
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)  # dense layers of a MoE model
     eos_token_id: list[int] = field(default_factory=list)  # the model's end-of-sequence tokens
+    yarn: dict = field(default_factory=dict)  # YaRN's rope parameters (factor, ...); empty for default RoPE
 
     @classmethod
     def from_config(cls, cfg: dict) -> "ModelArgs":
@@ -70,30 +71,60 @@ class ModelArgs:
         if not isinstance(rope, dict):
             raise UserError(f"config.json: rope_parameters is {rope!r}, not an object")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise UserError(f"rope type {rope_type} is not supported: only default RoPE")
+        if rope_type not in ("default", "yarn"):
+            raise UserError(f"rope type {rope_type} is not supported: only default RoPE and YaRN")
         if cfg.get("use_sliding_window"):
             raise UserError("sliding-window attention is not supported: set use_sliding_window to false")
         cfg = dict(cfg, rope_theta=rope.get("rope_theta", cfg.get("rope_theta")))
+        if rope_type == "yarn":  # our converter writes the parameters as "yarn"; the hub, in rope_scaling
+            cfg["yarn"] = {k: v for k, v in rope.items() if k not in ("rope_type", "type", "rope_theta")}
+            if not all(type(v) in (int, float, bool) for v in cfg["yarn"].values()):
+                raise UserError(f"config.json: the YaRN parameters {cfg['yarn']} are not all numbers")
         if type(cfg.get("eos_token_id")) is int:  # the hub writes one id or a list
             cfg["eos_token_id"] = [cfg["eos_token_id"]]
         if "num_local_experts" in cfg:  # what transformers writes for the hub's num_experts
             cfg["num_experts"] = cfg["num_local_experts"]
-        given = {f.name: cfg[f.name] for f in fields(cls) if cfg.get(f.name) is not None}
-        for f in fields(cls):
-            value = given.get(f.name, 0)
-            if type(value) not in CONFIG_TYPES.get(f.type, (str, int)) or type(value) is int and value < 0:
-                raise UserError(f"config.json: {f.name} is {value!r}, which is not a valid value for it")
+        types = {f.name: f.type for f in fields(cls)}
+        given = {name: cfg[name] for name in types if cfg.get(name) is not None}
+        for name, value in given.items():
+            if type(value) not in CONFIG_TYPES.get(types[name], (str,)) or type(value) is int and value < 0:
+                raise UserError(f"config.json: {name} is {value!r}, which is not a valid value for it")
         args = cls(**given)
         args.rope_theta = float(args.rope_theta)
         if cfg.get("head_dim") is None:
             args.head_dim = args.hidden_size // args.num_attention_heads
+        if args.yarn:  # YaRN extends the context to factor x the original positions
+            extended = args.yarn.get("original_max_position_embeddings", 0) * args.yarn.get("factor", 1.0)
+            args.max_position_embeddings = max(args.max_position_embeddings, int(extended))
         return args
 
     def is_sparse(self, layer: int) -> bool:
         """Whether layer `layer` has a MoE block, as transformers decides it."""
         step = (layer + 1) % self.decoder_sparse_step == 0
         return self.num_experts > 0 and step and layer not in self.mlp_only_layers
+
+
+def rope_frequencies(a: ModelArgs) -> tuple[Tensor, float]:
+    """RoPE's inverse frequencies (head_dim / 2,) and the factor on cos and sin, as transformers computes
+    them: default, or YaRN (its _compute_yarn_parameters: each frequency between the original and the one
+    divided by `factor`, by a linear ramp over the dimensions between beta_fast and beta_slow rotations in the
+    original context; cos and sin scaled by 0.1 ln(factor) + 1 unless attention_factor is given)."""
+    dim = a.head_dim
+    inv_freq = 1.0 / (a.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    factor = a.yarn.get("factor", 1.0)  # default RoPE is YaRN with factor 1: every frequency is inv_freq
+    scale = a.yarn.get("attention_factor") or 0.1 * math.log(max(factor, 1.0)) + 1.0  # 1 for factor <= 1
+
+    def dimension(rotations):  # the dimension that turns `rotations` times over the original context
+        original = a.yarn.get("original_max_position_embeddings", a.max_position_embeddings)
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(a.rope_theta))
+    low, high = dimension(a.yarn.get("beta_fast") or 32), dimension(a.yarn.get("beta_slow") or 1)
+    if a.yarn.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    width = high - low if high != low else 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float) - low) / width).clamp(0, 1)
+    interpolation = 1.0 / (factor * a.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    return interpolation * ramp + inv_freq * (1 - ramp), scale
 
 
 class RMSNorm(nn.Module):
@@ -189,7 +220,7 @@ class ForwardContext:
     positions: Tensor  # (R, T) absolute positions of the tokens
     cos: Tensor  # (R, T, 1, head_dim) RoPE at those positions; fused: the whole table (capacity, head_dim)
     sin: Tensor
-    mask: Tensor | None  # (R, 1, T, kv_len), True where a token may attend; fused: None
+    mask: Tensor | None  # (R, 1, T, kv_len), True where a token may attend; None: causal among the tokens
     kv_len: int  # the attended length: every position so far is below it
     fused: bool  # one token on CUDA: the projections run as the Triton kernel
 
@@ -221,7 +252,7 @@ class Attention(nn.Module):
             k = apply_rope(self.k_norm(k), ctx.cos, ctx.sin)
             keys, values = cache.update(ctx.rows, ctx.positions, k, v, ctx.kv_len)
             y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=ctx.mask,
-                                               enable_gqa=True).transpose(1, 2)
+                                               is_causal=ctx.mask is None, enable_gqa=True).transpose(1, 2)
         return project(self.o_proj, y.reshape(R, T, -1), residual=residual, fused=ctx.fused)
 
 
@@ -320,32 +351,38 @@ class Transformer(nn.Module):
                                                      dtype, device)
         # Angles in fp32 on the CPU as transformers computes them (an elementwise product, not a matmul); the
         # table is kept in the model's dtype because transformers casts it so before rotating.
-        inv_freq = 1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.float) / a.head_dim))
+        inv_freq, scale = rope_frequencies(a)
         angles = torch.arange(capacity, dtype=torch.float)[:, None] * inv_freq.repeat(2)  # both halves alike
-        self.register_buffer("rope_cos", angles.cos().to(device, dtype), persistent=False)
-        self.register_buffer("rope_sin", angles.sin().to(device, dtype), persistent=False)
+        self.register_buffer("rope_cos", (angles.cos() * scale).to(device, dtype), persistent=False)
+        self.register_buffer("rope_sin", (angles.sin() * scale).to(device, dtype), persistent=False)
         self.register_buffer("key_positions", torch.arange(capacity, device=device), persistent=False)
 
-    def forward(self, tokens: Tensor, positions: Tensor, kv_positions: Tensor, rows: slice = slice(None),
-                last_only: bool = False, use_kernels: bool = False) -> Tensor:
+    def forward(self, tokens: Tensor, positions: Tensor, kv_positions: Tensor | None,
+                rows: slice = slice(None), logits_at: Tensor | None = None,
+                use_kernels: bool = False) -> Tensor:
         """tokens, positions: (R, T) for cache rows `rows`; kv_positions: the cache prefix to attend over (a
-        slice of key_positions covering every position written so far). use_kernels: the Triton kernels run
-        where they apply (a single token). Returns logits (R, T, vocab), or (R, 1, vocab) with last_only."""
+        slice of key_positions covering every position written so far), or None for prompts at positions
+        0 ... T - 1, which attend causally among themselves (flash attention, no T x T mask). use_kernels: the
+        Triton kernels run where they apply (a single token). Returns logits (R, T, vocab), or with logits_at
+        (R,) those of one token per row (R, 1, vocab)."""
         if self.layers[0].self_attn.kv_cache is None:
             raise RuntimeError("call setup_cache(slots, capacity) before running the model")
         fused = use_kernels and tokens.numel() == 1
         mask = None  # the kernels need none, and read the RoPE tables at the positions themselves
         cos, sin = self.rope_cos, self.rope_sin
         if not fused:
-            mask = (kv_positions <= positions[..., None])[:, None]  # causal: hides unwritten and stale slots
             cos, sin = cos[positions][:, :, None], sin[positions][:, :, None]
+        if kv_positions is None:
+            kv_positions = self.key_positions[:tokens.shape[1]]
+        elif not fused:
+            mask = (kv_positions <= positions[..., None])[:, None]  # causal: hides unwritten and stale slots
         ctx = ForwardContext(rows=rows, positions=positions, cos=cos, sin=sin, mask=mask,
                              kv_len=kv_positions.shape[0], fused=fused)
         x = self.embed_tokens(tokens)
         for layer in self.layers:
             x = layer(x, ctx)
-        if last_only:
-            x = x[:, -1:]
+        if logits_at is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), logits_at][:, None]
         return project(self.lm_head, x, norm=self.norm, fused=fused)
 
     def checkpoint_tensors(self) -> dict[str, Tensor]:
@@ -387,9 +424,9 @@ class Transformer(nn.Module):
             raise UserError(f"{path}: weights do not match config.json ({len(mismatched)} tensors missing, "
                             f"unexpected or of another shape, first {mismatched[0]}); convert the checkpoint "
                             "again")
+        # The loaded tensors themselves, no copy; every one is checked above. A tied lm_head is not among
+        # them: it is the embedding again.
+        model.load_state_dict(state, strict=False, assign=True)
         if args.tie_word_embeddings:
-            state["lm_head.weight"] = state["embed_tokens.weight"]
-        model.load_state_dict(state, strict=True, assign=True)  # the loaded tensors themselves: no copy
-        if args.tie_word_embeddings:  # assign made two Parameters of one tensor: make them one again
             model.lm_head.weight = model.embed_tokens.weight
         return model.eval().requires_grad_(False)

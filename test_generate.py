@@ -39,14 +39,17 @@ def fresh_dynamo():
 
 
 def hf_checkpoint(path, *, hidden=64, heads=4, kv_heads=2, head_dim=16, layers=2, tied=False, sharded=False,
-                  old_rope=False, dtype=torch.float32, seed=0, vocab=VOCAB, moe=None):
+                  old_rope=False, dtype=torch.float32, seed=0, vocab=VOCAB, moe=None, rope=None):
     """A random Qwen3 snapshot written by transformers itself (save_pretrained); with `moe` (settings of
-    Qwen3MoeConfig), a Qwen3-MoE one with 8 experts of which 2 are picked unless `moe` says otherwise."""
+    Qwen3MoeConfig), a Qwen3-MoE one with 8 experts of which 2 are picked unless `moe` says otherwise; with
+    `rope`, those rope_parameters."""
     import transformers
     common = dict(hidden_size=hidden, intermediate_size=2 * hidden + 32, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                   vocab_size=vocab, max_position_embeddings=2048, rope_theta=1e4 if old_rope else 1e6,
                   rms_norm_eps=1e-6, tie_word_embeddings=tied, eos_token_id=vocab - 1)
+    if rope:
+        common["rope_parameters"] = rope
     torch.manual_seed(seed)
     if moe is None:
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
@@ -263,6 +266,25 @@ def test_moe_parity_with_transformers_fp32(tmp_path, name):
     assert_parity(hf, ours, steps=32)
 
 
+@pytest.mark.parametrize("yarn", [dict(factor=4.0), dict(factor=8.0, beta_fast=16, attention_factor=1.3)])
+def test_yarn_parity_with_transformers_fp32(tmp_path, yarn):
+    """YaRN as Qwen3's model cards set it, on a tiny scale: logits at positions well past
+    original_max_position_embeddings (32 here), prefill and decode, within 1e-4 of transformers'."""
+    rope = {"rope_type": "yarn", "rope_theta": 1e6, "original_max_position_embeddings": 32, **yarn}
+    hf, path = converted(tmp_path, rope=rope, heads=4, kv_heads=2, head_dim=32)
+    ours = load(path, capacity=160)
+    assert ours.args.yarn == {k: v for k, v in rope.items() if k not in ("rope_type", "rope_theta")}
+    torch.manual_seed(3)
+    prompt = torch.randint(0, VOCAB, (1, 100))
+    with torch.no_grad():
+        want = hf(prompt).logits[0]
+        got = forward(ours, prompt[0].tolist())
+        assert (want - got).abs().max().item() <= 1e-4
+        assert (want[-1] - forward(ours, prompt[0, -1:].tolist(), start=99)[-1]).abs().max() <= 1e-4
+    plain = load(converted(tmp_path / "plain", heads=4, kv_heads=2, head_dim=32)[1], capacity=160)
+    assert not torch.allclose(ours.rope_cos, plain.rope_cos)  # YaRN really changed the rotation
+
+
 def test_parity_with_transformers_bf16(tmp_path):
     """bf16 against bf16 transformers: both round at the same places, so logits stay within a few ulps."""
     hf, path = converted(tmp_path, dtype=torch.bfloat16, heads=8, kv_heads=2, head_dim=32)
@@ -289,8 +311,15 @@ def test_config_variants():
         ModelArgs.from_config({**base, "architectures": ["Qwen2ForCausalLM"]})
     with pytest.raises(UserError, match="model_type qwen2"):  # a Qwen2 config with a Qwen3 architecture entry
         ModelArgs.from_config({**base, "model_type": "qwen2"})
-    with pytest.raises(UserError, match="yarn"):
-        ModelArgs.from_config({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    # Qwen3's model cards: YaRN to 131,072 positions
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    args = ModelArgs.from_config({**base, "rope_scaling": yarn, "max_position_embeddings": 40960})
+    assert args.yarn == {"factor": 4.0, "original_max_position_embeddings": 32768}
+    assert args.max_position_embeddings == 131072 and ModelArgs.from_config(vars(args)).yarn == args.yarn
+    with pytest.raises(UserError, match="rope type dynamic is not supported"):
+        ModelArgs.from_config({**base, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}})
+    with pytest.raises(UserError, match="YaRN parameters .* are not all numbers"):
+        ModelArgs.from_config({**base, "rope_scaling": {**yarn, "factor": "4"}})
     with pytest.raises(UserError, match="sliding-window attention is not supported"):
         ModelArgs.from_config({**base, "use_sliding_window": True})
     no_window = {**base, "use_sliding_window": False, "sliding_window": 4096}
@@ -652,7 +681,8 @@ def test_convert_stopped_by_a_signal_leaves_nothing(snapshot, tmp_path, signal_n
 def test_convert_argument_errors_are_one_line(snapshot, capsys):
     for argv, message in [(["--shard-size-mb", "0"], "--shard-size-mb: must be at least 1, not 0"),
                           (["--shard-size-mb", "-5"], "--shard-size-mb: must be at least 1, not -5"),
-                          (["--bogus"], "unrecognized arguments: --bogus"), ([], "give --checkpoint-dir")]:
+                          (["--checkpoint-dir", "x", "--bogus"], "unrecognized arguments: --bogus"),
+                          ([], "the following arguments are required: --checkpoint-dir")]:
         assert message in convert_error(argv, capsys)
     r = cli("--checkpoint-dir", str(snapshot), "--shard-size-mb", "0",
             script=os.path.join(HERE, "convert_hf_checkpoint.py"))
@@ -825,6 +855,47 @@ def test_sampling_settings_from_generation_config_are_checked_as_flags_are():
 
 
 # ---------------------------------------------------------------- decode modes
+
+@pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe"])
+def test_padded_batch_prefill_equals_each_prompt_alone(checkpoint, request):
+    """One forward for prompts of different lengths, padded after each prompt's end: each row's logits at its
+    last real token (fp32, 1e-5) and its cache at every real position are those of the prompt alone."""
+    path = request.getfixturevalue(checkpoint)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7], [1, 8, 2, 8, 1]]
+    gen = generator(path, batch=3)
+    gen.prefill(prompts)
+    batch_caches = [layer.self_attn.kv_cache for layer in gen.model.layers]
+    for row, prompt in enumerate(prompts):
+        alone = generator(path)
+        alone.prefill([prompt])
+        assert gen.state.tokens[row, 0] == alone.state.tokens[0, 0]  # greedy: the same logits' argmax
+        caches = [layer.self_attn.kv_cache for layer in alone.model.layers]
+        for big, small in zip(batch_caches, caches, strict=True):
+            for name in ("k", "v"):
+                got = getattr(big, name)[row, :, :len(prompt)]
+                assert torch.allclose(got, getattr(small, name)[0, :, :len(prompt)], atol=1e-5)
+    model = gen.model
+    longest = max(map(len, prompts))
+    tokens = torch.tensor([p + [0] * (longest - len(p)) for p in prompts])
+    ends = torch.tensor([len(p) for p in prompts])
+    with torch.no_grad():
+        logits = model(tokens, torch.arange(longest).expand(3, -1), None, logits_at=ends - 1)[:, 0]
+    for row, prompt in enumerate(prompts):
+        assert torch.allclose(logits[row], forward(load(path), prompt)[-1], atol=1e-5)
+
+
+def test_causal_prompt_path_equals_the_masked_one(tiny):
+    """A prompt from position 0 attends causally without a mask (kv_positions None: flash attention on CUDA);
+    the same prompt through the position mask gives the same logits."""
+    torch.manual_seed(9)
+    prompt = torch.randint(0, VOCAB, (2, 300))
+    model = load(tiny, slots=2, capacity=512)
+    positions = torch.arange(300).expand(2, -1)
+    with torch.no_grad():
+        causal = model(prompt, positions, None)
+        masked = model(prompt, positions, model.key_positions[:300])
+    assert torch.allclose(causal, masked, atol=1e-5)
+
 
 def test_greedy_decode_equals_full_recomputation(tiny):
     prompt = [1, 2, 3, 4, 5]
