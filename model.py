@@ -111,7 +111,7 @@ def rope_frequencies(a: ModelArgs) -> tuple[Tensor, float]:
     original context; cos and sin scaled by 0.1 ln(factor) + 1 unless attention_factor is given)."""
     dim = a.head_dim
     inv_freq = 1.0 / (a.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-    factor = a.yarn.get("factor", 1.0)  # default RoPE is YaRN with factor 1: every frequency is inv_freq
+    factor = a.yarn.get("factor", 1.0)  # default RoPE is YaRN with factor 1: inv_freq, to rounding
     scale = a.yarn.get("attention_factor") or 0.1 * math.log(max(factor, 1.0)) + 1.0  # 1 for factor <= 1
 
     def dimension(rotations):  # the dimension that turns `rotations` times over the original context
