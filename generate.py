@@ -211,9 +211,9 @@ class Generator:
         torch.manual_seed makes the tokens reproducible, the same in every mode."""
         if not 1 <= len(prompts) <= self.batch or not all(prompts):
             raise UserError(f"give 1 to {self.batch} prompts, none empty (got {len(prompts)})")
-        ends = [len(prompt) for prompt in prompts]
-        if max(ends) + max_new > self.capacity:
-            raise UserError(f"prompt ({max(ends)} tokens) + max new tokens ({max_new}) is over the cache "
+        longest = max(map(len, prompts))
+        if longest + max_new > self.capacity:
+            raise UserError(f"prompt ({longest} tokens) + max new tokens ({max_new}) is over the cache "
                             f"length {self.capacity}: raise --cache-len or lower --max-new-tokens")
         state = self.state
         sync = torch.cuda.synchronize if state.tokens.is_cuda else (lambda: None)
@@ -223,7 +223,7 @@ class Generator:
         t1 = time.perf_counter()
         produced = 1  # tokens per row in state.out
         if max_new > 1:  # the first decode step, timed alone: compilation and graph capture happen here
-            self.decode_step(max(ends) + produced)
+            self.decode_step(longest + produced)
             produced += 1
         sync()
         t2 = time.perf_counter()
@@ -237,7 +237,7 @@ class Generator:
             if produced == max_new or all(s is not None for s in stopped):
                 break
             for _ in range(min(check_every, max_new - produced)):
-                self.decode_step(max(ends) + produced)
+                self.decode_step(longest + produced)
                 produced += 1
         stats = GenerationStats(prefill_s=t1 - t0, first_step_s=t2 - t1, decode_s=time.perf_counter() - t2,
                                 decode_steps=max(produced - 2, 0))

@@ -628,10 +628,6 @@ def test_convert_ctrl_c_exits_130_and_leaves_nothing(snapshot, tmp_path):
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
-def leftovers(directory):
-    return [p.name for p in directory.iterdir() if p.name.startswith(".converting")]
-
-
 def test_convert_write_errors_are_one_line_and_leave_nothing(snapshot, tmp_path, capsys, monkeypatch):
     """A full disk shows as safetensors' own error while a shard is written, or as an OSError while the
     other files are; both are one line, and the partial output and the directories made for it are gone."""
