@@ -67,16 +67,17 @@ def sample(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     static shapes: the candidates come from topk (a full sort for top-p alone), the rest masked out."""
     if params.temperature == 0:
         return logits.argmax(-1)
-    scores = logits.float() / params.temperature
     vocab = logits.shape[-1]
-    if not (0 < params.top_k < vocab or params.top_p < 1):  # nothing to filter: no sort
-        return (scores - torch.log(-torch.log(torch.rand_like(scores)))).argmax(-1)
-    scores, ids = scores.topk(params.top_k if 0 < params.top_k < vocab else vocab)  # sorted, largest first
+    k = params.top_k if 0 < params.top_k < vocab else vocab
+    scores, ids = logits.float(), None
+    if k < vocab or params.top_p < 1:  # sorted, largest first; no sort where nothing is filtered
+        scores, ids = scores.topk(k)
+    scores = scores / params.temperature
     if params.top_p < 1:  # keep the smallest head whose mass reaches top_p (the first candidate always stays)
         probs = scores.softmax(-1)
         scores = scores.masked_fill(probs.cumsum(-1) - probs >= params.top_p, float("-inf"))
     choice = (scores - torch.log(-torch.log(torch.rand_like(scores)))).argmax(-1)
-    return ids.gather(-1, choice[:, None])[:, 0]
+    return choice if ids is None else ids.gather(-1, choice[:, None])[:, 0]
 
 
 class DecodeState:

@@ -169,16 +169,17 @@ def _merge(o, lse, out, HEAD_DIM: tl.constexpr, D: tl.constexpr, SPLITS: tl.cons
 
 
 # Launch configurations of _gemv by what it fuses into its input and how the weights are stored, from sweeps
-# on the H200 over the 0.6B-8B shapes: more rows per program where the work on x is costlier, or for int8.
+# on the H200 over the shapes of 0.6B, 8B and 30B-A3B, weighted by their count in a step (bench/RESULTS.md,
+# 2026-12-01): more rows per program where the work on x is costlier, or for int8.
 GEMV_CONFIGS = {  # BN: weight rows per program, BK: weight words per block
     ("norm", "float"): dict(BN=8, BK=512, num_warps=2),
-    ("gated", "float"): dict(BN=4, BK=1024, num_warps=8),
-    ("plain", "float"): dict(BN=2, BK=512, num_warps=2),
+    ("gated", "float"): dict(BN=8, BK=1024, num_warps=4),
+    ("plain", "float"): dict(BN=2, BK=1024, num_warps=4),
     ("norm", "int8"): dict(BN=16, BK=128, num_warps=4),
     ("gated", "int8"): dict(BN=8, BK=512, num_warps=8),
     ("plain", "int8"): dict(BN=8, BK=512, num_warps=4),
-    ("picked", "float"): dict(BN=16, BK=256, num_warps=2),  # MoE gate-up, 30B-A3B's shapes
-    ("routed", "float"): dict(BN=8, BK=256, num_warps=4),  # MoE down
+    ("picked", "float"): dict(BN=16, BK=256, num_warps=1),  # MoE gate-up, 30B-A3B's shapes
+    ("routed", "float"): dict(BN=4, BK=1024, num_warps=4),  # MoE down
     ("picked", "int8"): dict(BN=32, BK=128, num_warps=4),
     ("routed", "int8"): dict(BN=8, BK=256, num_warps=4),
 }
@@ -206,14 +207,11 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | 
     N, K = weight.shape[-2:]
     out = x.new_empty(gemv_shape(x, weight, router, top_k, routed))
     int8 = weight.dtype == torch.int8
+    fused_input = "plain"
     if router is not None:
         fused_input = "routed" if routed else "picked"
-    elif norm is not None:
-        fused_input = "norm"
-    elif gated:
-        fused_input = "gated"
-    else:
-        fused_input = "plain"
+    elif norm is not None or gated:
+        fused_input = "gated" if gated else "norm"
     config = GEMV_CONFIGS[fused_input, "int8" if int8 else "float"]
     words = weight.view(torch.int32) if int8 else weight  # an int32 word holds 4 int8 weights
     unused = x  # the kernel needs some pointer for the arguments it doesn't read
