@@ -243,9 +243,10 @@ def decode_attention(qkv: Tensor, cache_k: Tensor, cache_v: Tensor, first_row: i
     which get the new key and value there; cos/sin the RoPE tables (positions, head_dim); q_norm/k_norm the
     RMSNorm weights. Attends to keys at positions <= the query's, split over the keys into programs per (row,
     kv head), so that one row still fills the GPU; returns (R, heads, head_dim). kv_len, a bound on the
-    positions (the attended length), sets the number of splits: a 32-key block each at most, and at most 64,
-    which measured best on the H200 (bench/RESULTS.md); any kv_len gives the same result."""
-    splits = min(64, triton.next_power_of_2(triton.cdiv(kv_len, 32)))  # a power of two, for the merge
+    positions (the attended length), sets the number of splits: a 64-key block each until there are 32,
+    then more blocks each, which measured best on the H200 from 1,024 to 32,768 keys (bench/RESULTS.md); any
+    kv_len gives the same result."""
+    splits = min(32, triton.next_power_of_2(triton.cdiv(kv_len, 64)))  # a power of two, for the merge
     R = qkv.shape[0]
     kv_heads, head_dim = cache_k.shape[1], cache_k.shape[3]
     o = torch.empty(R, heads, splits, head_dim, dtype=torch.float32, device=qkv.device)
@@ -256,7 +257,7 @@ def decode_attention(qkv: Tensor, cache_k: Tensor, cache_v: Tensor, first_row: i
     _attention[(R, kv_heads, splits)](
         qkv, cache_k, cache_v, first_row, positions, cos, sin, q_norm, k_norm, o, lse, qkv.stride(0),
         cos.stride(0), k_row, k_head, k_pos, eps=eps, sm_scale=head_dim ** -0.5, GROUP=group,
-        HEAD_DIM=head_dim, G=max(16, triton.next_power_of_2(group)), D=D, BLOCK=32, SPLITS=splits)
+        HEAD_DIM=head_dim, G=max(16, triton.next_power_of_2(group)), D=D, BLOCK=64, SPLITS=splits)
     out = torch.empty(R, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     _merge[(R * heads,)](o, lse, out, HEAD_DIM=head_dim, D=D, SPLITS=splits)
     return out

@@ -1407,13 +1407,13 @@ def test_kernel_gemv_of_picked_experts_matches_reference_ops(device, dtype, tol,
 
 @pytest.mark.parametrize("device,dtype,tol", KERNEL_RUNS)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (4, 2, 128), (8, 2, 64)])  # GQA 1, 2, 4
-@pytest.mark.parametrize("kv_len", [32, 128, 256])  # 1, 4 and 8 splits
+@pytest.mark.parametrize("kv_len", [64, 256, 512])  # 1, 4 and 8 splits
 def test_kernel_decode_attention_matches_reference_ops(device, dtype, tol, heads, kv_heads, head_dim, kv_len):
-    """One query per row, rows at different positions: around the 32-key block and the split boundaries
-    (chunks of ceil(ceil((p + 1) / splits) / 32) * 32 keys), the first position and the cache's last. The
+    """One query per row, rows at different positions: around the 64-key block and the split boundaries
+    (chunks of ceil(ceil((p + 1) / splits) / 64) * 64 keys), the first position and the cache's last. The
     cache holds random stale keys past each row's position: the kernel must not read them."""
     torch.manual_seed(0)
-    positions = torch.tensor([0, 31, 32, 127, 128, 200, 255], device=device)
+    positions = torch.tensor([0, 31, 63, 64, 127, 128, 200, 255], device=device)
     R, capacity, eps = len(positions), 256, 1e-6
     qkv = torch.randn(R, 1, (heads + 2 * kv_heads) * head_dim, device=device, dtype=dtype)
     cache_k = torch.randn(R + 1, kv_heads, capacity, head_dim, device=device, dtype=dtype)  # row 0 unused
