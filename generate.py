@@ -6,6 +6,7 @@
 """
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -81,32 +82,48 @@ def sample(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 class DecodeState:
-    """Every tensor a decode step reads or writes besides the model's: fixed addresses, updated in place."""
+    """Every tensor a prefill or decode step reads or writes besides the model's: fixed addresses, updated in
+    place."""
 
     def __init__(self, batch: int, capacity: int, device):
+        # Each row's tokens at their positions, as in the cache: its prompt (padded after its end for a
+        # prefill), then each token generated, written at its position over the padding.
+        self.sequences = torch.zeros(batch, capacity, dtype=torch.long, device=device)
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)  # the token each row feeds next
         self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)  # and its position
-        self.out = torch.zeros(batch, capacity, dtype=torch.long, device=device)  # the tokens generated
-        self.step = torch.zeros(1, dtype=torch.long, device=device)  # the column of `out` the next goes to
-        for t in (self.tokens, self.positions, self.out, self.step):  # cudagraph trees: inputs, not copies
+        for t in vars(self).values():  # cudagraph trees: inputs, not copies
             torch._dynamo.mark_static_address(t)
 
 
-def decode_one_token(model: Transformer, state: DecodeState, kv_positions: torch.Tensor,
-                     sampling: SamplingParams, use_kernels: bool) -> None:
+def prefill_prompts(model: Transformer, state: DecodeState, sampling: SamplingParams, use_kernels: bool,
+                    positions: torch.Tensor) -> None:
+    """The prompts in state.sequences, padded after their ends, into cache rows 0 ... R - 1 at `positions`
+    (R, T), 0 ... T - 1 in every row; each row's first token sampled from its last real token, at its length
+    in state.positions, into state.tokens and the row's sequence. Device-side only, as decode_one_token."""
+    rows, length = positions.shape
+    logits = model(state.sequences[:rows, :length], positions, None, rows=slice(0, rows),
+                   logits_at=state.positions[:rows, 0] - 1, use_kernels=use_kernels)
+    state.tokens[:rows, 0] = sample(logits[:, -1], sampling)
+    state.sequences.scatter_(1, state.positions, state.tokens)
+
+
+def decode_one_token(model: Transformer, state: DecodeState, sampling: SamplingParams, use_kernels: bool,
+                     kv_positions: torch.Tensor) -> None:
     """One step for every row, device-side only: the eager, compiled and graphed modes all run this."""
     logits = model(state.tokens, state.positions, kv_positions, use_kernels=use_kernels)
     token = sample(logits[:, -1], sampling)
     state.tokens.copy_(token[:, None])
     state.positions.add_(1)
-    state.out.index_copy_(1, state.step, token[:, None])
-    state.step.add_(1)
+    state.sequences.scatter_(1, state.positions, state.tokens)
 
 
-def attended_length(needed: int, capacity: int) -> int:
-    """Attention reads a power-of-two prefix of the cache (at least 256): cost follows the live length, not
-    the capacity, and a compiled step sees only a few distinct shapes."""
-    return min(capacity, max(256, 1 << (needed - 1).bit_length()))
+def bucket(length: int, capacity: int) -> int:
+    """One of the few lengths that the compiled and graphed steps see (one graph each): the next power of two
+    from 64 to 2,048, then the next multiple of 2,048 (at most 6% more at 32k), within the capacity. A decode
+    step attends to that prefix of the cache, so that its cost follows the live length, not the capacity; a
+    graphed or compiled prefill pads its prompts to it."""
+    step = min(2048, max(64, 1 << (length - 1).bit_length()))
+    return min(capacity, -(-length // step) * step)
 
 
 class CUDAGraphs:
@@ -163,45 +180,42 @@ class Generator:
         self.model = model
         self.batch = batch
         self.capacity = capacity
-        self.sampling = sampling
-        self.use_kernels = use_kernels
         self.state = DecodeState(batch, capacity, device)
-
-        def step(kv_positions):
-            decode_one_token(model, self.state, kv_positions, sampling, use_kernels)
-        if compile:  # captured in CUDA graphs, inductor's or ours: one per attended length
+        self.bucketed = compile or cuda_graph  # prompts padded to a few lengths, one graph or compile each
+        if compile:
             # Inductor's own random numbers differ from eager's: this makes it call eager's, so that one seed
             # gives one stream of noise in every mode (a process-wide setting; torch has no narrower one).
             torch._inductor.config.fallback_random = True
-            step = torch.compile(step, mode=None if cuda_graph else "reduce-overhead", fullgraph=True)
-        if cuda_graph:
-            step = CUDAGraphs(step)
-        self.step = step
+
+        def accelerated(step):  # compiled and/or captured as CUDA graphs, inductor's or ours: one a shape
+            if compile:
+                step = torch.compile(step, mode=None if cuda_graph else "reduce-overhead", fullgraph=True)
+            if cuda_graph:
+                step = CUDAGraphs(step)
+            return step
+        self.step = accelerated(functools.partial(decode_one_token, model, self.state, sampling, use_kernels))
+        self.prefill_step = accelerated(functools.partial(prefill_prompts, model, self.state, sampling,
+                                                          use_kernels))
 
     def decode_step(self, needed: int) -> None:
         """One step for every row; the rows' positions so far fit in the first `needed` of the cache."""
-        kv_positions = self.model.key_positions[:attended_length(needed, self.capacity)]
+        kv_positions = self.model.key_positions[:bucket(needed, self.capacity)]
         torch._dynamo.maybe_mark_dynamic(kv_positions, 0)  # compile once for every attended length
         self.step(kv_positions)
 
     def prefill(self, prompts: list[list[int]]) -> None:
-        """Every prompt into its cache row in one forward, padded to the longest; each row's first token
-        sampled from its last real token into the state. The padding sits at positions after each prompt's
-        end, where the causal rule hides it from every real query, and each decode step writes its own key
-        and value over it before any query can read that position."""
+        """Every prompt into its cache row in one forward, padded to the longest (to its bucket when compiled
+        or graphed); each row's first token sampled from its last real token into the state. The padding sits
+        at positions after each prompt's end, where the causal rule hides it from every real query, and each
+        decode step writes its own key and value over it before any query can read that position."""
         state = self.state
-        device = state.tokens.device
-        longest = max(map(len, prompts))
-        tokens = torch.tensor([p + [0] * (longest - len(p)) for p in prompts], device=device)
-        ends = torch.tensor([len(p) for p in prompts], device=device)
-        positions = torch.arange(longest, device=device).expand(len(prompts), -1)
-        logits = self.model(tokens, positions, None, rows=slice(0, len(prompts)), logits_at=ends - 1,
-                            use_kernels=self.use_kernels)
-        state.tokens[:len(prompts), 0] = sample(logits[:, -1], self.sampling)
+        length = max(map(len, prompts))
+        if self.bucketed:
+            length = bucket(length, self.capacity)
+        state.sequences[:len(prompts), :length] = torch.tensor([p + [0] * (length - len(p)) for p in prompts])
         state.positions.zero_()
-        state.positions[:len(prompts), 0] = ends
-        state.out[:, 0] = state.tokens[:, 0]
-        state.step.fill_(1)
+        state.positions[:len(prompts), 0] = torch.tensor([len(p) for p in prompts])
+        self.prefill_step(self.model.key_positions[:length].expand(len(prompts), -1))
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], *, max_new: int, stop_ids: set, check_every: int = 16,
@@ -222,16 +236,15 @@ class Generator:
         self.prefill(prompts)
         sync()
         t1 = time.perf_counter()
-        produced = 1  # tokens per row in state.out
+        produced = 1  # tokens per row so far
         if max_new > 1:  # the first decode step, timed alone: compilation and graph capture happen here
             self.decode_step(longest + produced)
             produced += 1
         sync()
         t2 = time.perf_counter()
-        rows = [[] for _ in prompts]
         while True:
-            new = state.out[:len(prompts), len(rows[0]):produced].tolist()  # the one sync per check
-            rows = [r + x for r, x in zip(rows, new, strict=True)]
+            sequences = state.sequences[:len(prompts), :longest + produced].tolist()  # the one sync per check
+            rows = [s[len(p):len(p) + produced] for s, p in zip(sequences, prompts, strict=True)]
             stopped = [next((i for i, t in enumerate(r) if t in stop_ids), None) for r in rows]
             if on_tokens:
                 on_tokens([r[:s] for r, s in zip(rows, stopped, strict=True)])
@@ -351,7 +364,7 @@ def report(stats: GenerationStats, rows: list[list[int]], compiled: bool) -> str
     line = f"{sum(map(len, rows))} new tokens in {len(rows)} row{'s' if len(rows) > 1 else ''}"
     line += f". Time to first token {stats.prefill_s:.3f} s"
     if stats.first_step_s and compiled:
-        line += f"; the first decode step {stats.first_step_s:.2f} s (compilation and graph capture)"
+        line += f"; the first decode step {stats.first_step_s:.2f} s (both compile and capture their graphs)"
     if stats.decode_steps:
         rate = stats.decode_steps / stats.decode_s
         line += f"; then {rate:.1f} tok/s per row, {rate * len(rows):.1f} in all"

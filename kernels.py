@@ -185,14 +185,6 @@ GEMV_CONFIGS = {  # BN: weight rows per program, BK: weight words per block
 }
 
 
-def gemv_shape(x: Tensor, weight: Tensor, router: Tensor | None, top_k: int, routed: bool) -> list[int]:
-    if router is None:
-        return [*x.shape[:-1], weight.shape[-2]]
-    if routed:
-        return [1, 1, weight.shape[-2]]
-    return [top_k, weight.shape[-2]]
-
-
 # Custom ops: torch.compile calls them as they are, instead of analysing the kernels at each of their call
 # sites (five a layer), which would be most of its compile time.
 @torch.library.custom_op("qwen3_fast::gemv", mutates_args=())
@@ -202,10 +194,12 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | 
     """residual + (weight @ a) * scale for one token x (1, 1, K), where a is RMSNorm(x) * norm with `norm`,
     silu(gate) * up of x = [gate, up] with `gated`, else x. weight (N, K) in x's dtype, or int8 (K a multiple
     of 4) with a `scale` per row. MoE: weight (experts, N, K), and the `router` logits (experts,) pick top_k
-    of them as MoE.forward does: (top_k, N), one output per pick; or, `routed`, with x (top_k, K), the picks'
-    sum weighted by their routing weights (1, 1, N)."""
+    of them as MoE.forward does: (top_k, 1, N), one output per pick; or, `routed`, with x (top_k, 1, K), the
+    picks' sum weighted by their routing weights (1, 1, N)."""
     N, K = weight.shape[-2:]
-    out = x.new_empty(gemv_shape(x, weight, router, top_k, routed))
+    experts = 0 if router is None else router.shape[-1]
+    outputs = top_k if experts and not routed else 1
+    out = x.new_empty(outputs, 1, N)
     int8 = weight.dtype == torch.int8
     fused_input = "plain"
     if router is not None:
@@ -214,24 +208,22 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | 
         fused_input = "gated" if gated else "norm"
     config = GEMV_CONFIGS[fused_input, "int8" if int8 else "float"]
     words = weight.view(torch.int32) if int8 else weight  # an int32 word holds 4 int8 weights
-    unused = x  # the kernel needs some pointer for the arguments it doesn't read
-    experts = 0 if router is None else router.shape[-1]
     routing = dict(EXPERTS=experts, TOP_K=top_k, NORM_TOPK=norm_topk_prob, ROUTED=routed,
                    TERMS=top_k if routed else 1, EB=triton.next_power_of_2(max(experts, 1)),
                    KB=triton.next_power_of_2(max(top_k, 1)))
-    outputs = top_k if experts and not routed else 1
+    # A None argument is a constexpr None to Triton: the branches that would read it are not compiled.
     _gemv[(triton.cdiv(N, config["BN"]), outputs)](
-        x, words, unused if scale is None else scale, unused if norm is None else norm,
-        unused if residual is None else residual, out, unused if router is None else router, N, K,
-        x.shape[-1], eps, NORM=norm is not None, GATED=gated, SCALE=scale is not None,
-        RES=residual is not None, PACK=4 if int8 else 1, **routing, **config)
+        x, words, scale, norm, residual, out, router, N, K, x.shape[-1], eps, NORM=norm is not None,
+        GATED=gated, SCALE=scale is not None, RES=residual is not None, PACK=4 if int8 else 1, **routing,
+        **config)
     return out
 
 
 @gemv.register_fake
 def _(x, weight, scale=None, norm=None, eps=0.0, gated=False, residual=None, router=None, top_k=0,
       norm_topk_prob=False, routed=False):
-    return x.new_empty(gemv_shape(x, weight, router, top_k, routed))
+    outputs = top_k if router is not None and not routed else 1
+    return x.new_empty(outputs, 1, weight.shape[-2])
 
 
 @torch.library.custom_op("qwen3_fast::decode_attention", mutates_args=("cache_k", "cache_v"))
@@ -251,13 +243,12 @@ def decode_attention(qkv: Tensor, cache_k: Tensor, cache_v: Tensor, first_row: i
     kv_heads, head_dim = cache_k.shape[1], cache_k.shape[3]
     o = torch.empty(R, heads, splits, head_dim, dtype=torch.float32, device=qkv.device)
     lse = torch.empty(R, heads, splits, dtype=torch.float32, device=qkv.device)
-    group = heads // kv_heads
     D = max(16, triton.next_power_of_2(head_dim))  # tl.dot wants blocks of at least 16
     k_row, k_head, k_pos, _ = cache_k.stride()
     _attention[(R, kv_heads, splits)](
         qkv, cache_k, cache_v, first_row, positions, cos, sin, q_norm, k_norm, o, lse, qkv.stride(0),
-        cos.stride(0), k_row, k_head, k_pos, eps=eps, sm_scale=head_dim ** -0.5, GROUP=group,
-        HEAD_DIM=head_dim, G=max(16, triton.next_power_of_2(group)), D=D, BLOCK=64, SPLITS=splits)
+        cos.stride(0), k_row, k_head, k_pos, eps=eps, sm_scale=head_dim ** -0.5, GROUP=heads // kv_heads,
+        HEAD_DIM=head_dim, G=max(16, triton.next_power_of_2(heads // kv_heads)), D=D, BLOCK=64, SPLITS=splits)
     out = torch.empty(R, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     _merge[(R * heads,)](o, lse, out, HEAD_DIM=head_dim, D=D, SPLITS=splits)
     return out

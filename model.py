@@ -90,7 +90,6 @@ class ModelArgs:
             if type(value) not in CONFIG_TYPES.get(types[name], (str,)) or type(value) is int and value < 0:
                 raise UserError(f"config.json: {name} is {value!r}, which is not a valid value for it")
         args = cls(**given)
-        args.rope_theta = float(args.rope_theta)
         if cfg.get("head_dim") is None:
             args.head_dim = args.hidden_size // args.num_attention_heads
         if args.yarn:  # YaRN extends the context to factor x the original positions
@@ -110,8 +109,8 @@ def rope_frequencies(a: ModelArgs) -> tuple[Tensor, float]:
     divided by `factor`, by a linear ramp over the dimensions between beta_fast and beta_slow rotations in the
     original context; cos and sin scaled by 0.1 ln(factor) + 1 unless attention_factor is given)."""
     dim = a.head_dim
-    inv_freq = 1.0 / (a.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-    factor = a.yarn.get("factor", 1.0)  # default RoPE is YaRN with factor 1: inv_freq, to rounding
+    pos_freqs = a.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)  # 1 / RoPE's frequencies
+    factor = a.yarn.get("factor", 1.0)  # default RoPE is YaRN with factor 1, to rounding
     scale = a.yarn.get("attention_factor") or 0.1 * math.log(max(factor, 1.0)) + 1.0  # 1 for factor <= 1
 
     def dimension(rotations):  # the dimension that turns `rotations` times over the original context
@@ -123,8 +122,7 @@ def rope_frequencies(a: ModelArgs) -> tuple[Tensor, float]:
     low, high = max(low, 0), min(high, dim - 1)
     width = high - low if high != low else 0.001
     ramp = ((torch.arange(dim // 2, dtype=torch.float) - low) / width).clamp(0, 1)
-    interpolation = 1.0 / (factor * a.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-    return interpolation * ramp + inv_freq * (1 - ramp), scale
+    return 1.0 / (factor * pos_freqs) * ramp + 1.0 / pos_freqs * (1 - ramp), scale  # interpolated, original
 
 
 class RMSNorm(nn.Module):
@@ -162,8 +160,7 @@ class Linear(nn.Module):
 def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
     """Symmetric per-output-row int8: w ~= q * scale[..., None]. Returns (q, scale)."""
     scale = w.float().abs().amax(dim=-1).clamp(min=1e-8) / 127
-    q = (w.float() / scale[..., None]).round().clamp(-127, 127).to(torch.int8)
-    return q, scale
+    return (w.float() / scale[..., None]).round().clamp(-127, 127).to(torch.int8), scale
 
 
 def linear(args: ModelArgs, n_in: int, n_out: int, experts: int | None = None) -> Linear:
@@ -223,6 +220,7 @@ class ForwardContext:
     mask: Tensor | None  # (R, 1, T, kv_len), True where a token may attend; None: causal among the tokens
     kv_len: int  # the attended length: every position so far is below it
     fused: bool  # one token on CUDA: the projections run as the Triton kernel
+    grouped_mm: bool  # MoE layers multiply by the picked experts alone (see expert_products)
 
 
 class Attention(nn.Module):
@@ -241,16 +239,15 @@ class Attention(nn.Module):
         """residual + attention(norm(x))."""
         R, T, _ = x.shape
         qkv = project(self.qkv_proj, x, norm=norm, fused=ctx.fused)
-        cache = self.kv_cache
         if ctx.fused:  # the q/k norms, RoPE, the cache write and attention in one kernel (and a merge)
-            y = kernels.decode_attention(qkv, cache.k, cache.v, ctx.rows.start or 0, ctx.positions[:, 0],
-                                         ctx.cos, ctx.sin, self.q_norm.weight, self.k_norm.weight,
-                                         self.q_norm.eps, self.n_heads, ctx.kv_len)
+            y = kernels.decode_attention(qkv, self.kv_cache.k, self.kv_cache.v, ctx.rows.start or 0,
+                                         ctx.positions[:, 0], ctx.cos, ctx.sin, self.q_norm.weight,
+                                         self.k_norm.weight, self.q_norm.eps, self.n_heads, ctx.kv_len)
         else:
             q, k, v = qkv.view(R, T, -1, self.head_dim).split([self.n_heads, self.n_kv, self.n_kv], dim=2)
             q = apply_rope(self.q_norm(q), ctx.cos, ctx.sin)
             k = apply_rope(self.k_norm(k), ctx.cos, ctx.sin)
-            keys, values = cache.update(ctx.rows, ctx.positions, k, v, ctx.kv_len)
+            keys, values = self.kv_cache.update(ctx.rows, ctx.positions, k, v, ctx.kv_len)
             y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=ctx.mask,
                                                is_causal=ctx.mask is None, enable_gqa=True).transpose(1, 2)
         return project(self.o_proj, y.reshape(R, T, -1), residual=residual, fused=ctx.fused)
@@ -286,20 +283,33 @@ class MoE(nn.Module):
         if ctx.fused:  # the kernels pick the experts from the logits and read the picked ones' weights alone
             routing = dict(router=logits.view(-1), top_k=self.top_k, norm_topk_prob=self.norm_topk_prob)
             gate_up = kernels.gemv(x, self.gate_up_proj.weight, scale=self.gate_up_proj.scale,
-                                   norm=norm.weight, eps=norm.eps, **routing)  # (top_k, 2 x moe_inter.)
+                                   norm=norm.weight, eps=norm.eps, **routing)  # (top_k, 1, 2 x moe_inter.)
             return kernels.gemv(gate_up, self.down_proj.weight, scale=self.down_proj.scale, gated=True,
                                 residual=residual, routed=True, **routing)
-        probs = logits.softmax(-1, dtype=torch.float)
-        weights, picked = probs.topk(self.top_k)  # (R, T, top_k)
+        weights, picked = logits.softmax(-1, dtype=torch.float).topk(self.top_k)  # (R, T, top_k)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
-        # Every expert on every token, weighted 0 where not picked: static shapes, for compile and graphs,
-        # at num_experts / top_k times the work of the picked experts. Weights rounded as transformers does.
-        routing = torch.zeros_like(logits).scatter(-1, picked, weights.to(x.dtype))  # (R, T, experts)
-        gate_up = torch.einsum("rth,eih->rtei", norm(x), dequantized(self.gate_up_proj, x.dtype))
+        # Each token through its picked experts alone: its (token, pick) pairs, sorted by expert so that
+        # each expert's pairs are one run of rows. Routing weights are rounded as transformers rounds them.
+        experts, order = picked.flatten().sort()  # (pairs,)
+        rows = norm(x).flatten(0, 1)[order // self.top_k]  # (pairs, hidden): each pair's token
+        gate_up = expert_products(rows, dequantized(self.gate_up_proj, x.dtype), experts, ctx.grouped_mm)
         gate, up = gate_up.chunk(2, dim=-1)
-        hidden = F.silu(gate) * up * routing[..., None]  # (R, T, experts, moe_intermediate_size)
-        return residual + torch.einsum("rtei,ehi->rth", hidden, dequantized(self.down_proj, x.dtype))
+        hidden = F.silu(gate) * up * weights.flatten()[order, None].to(x.dtype)
+        y = expert_products(hidden, dequantized(self.down_proj, x.dtype), experts, ctx.grouped_mm)
+        y = torch.empty_like(y).index_copy_(0, order, y)  # back in (token, pick) order
+        return residual + y.view(*x.shape[:2], self.top_k, -1).sum(2)
+
+
+def expert_products(rows: Tensor, weight: Tensor, experts: Tensor, grouped_mm: bool) -> Tensor:
+    """rows (pairs, K), sorted by their `experts` (pairs,), each times its expert's weight (experts, N, K):
+    (pairs, N), in static shapes (for compile and graphs). grouped_mm: one grouped product, each expert over
+    its own run of rows, the runs' ends computed on the device. Otherwise every expert multiplies every row
+    (E times the work), and each row keeps its own expert's product."""
+    if grouped_mm:
+        ends = torch.searchsorted(experts, torch.arange(len(weight), device=rows.device), right=True)
+        return torch._grouped_mm(rows, weight.transpose(1, 2), offs=ends.int())  # ends: (experts,) int32
+    return torch.einsum("pk,enk->pen", rows, weight)[torch.arange(len(rows), device=rows.device), experts]
 
 
 def dequantized(proj: Linear, dtype) -> Tensor:
@@ -356,6 +366,11 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", (angles.cos() * scale).to(device, dtype), persistent=False)
         self.register_buffer("rope_sin", (angles.sin() * scale).to(device, dtype), persistent=False)
         self.register_buffer("key_positions", torch.arange(capacity, device=device), persistent=False)
+        # torch._grouped_mm compiles for bf16 alone, and on CUDA it has a kernel for Hopper and Blackwell
+        # alone: elsewhere it loops over the experts reading where each one's rows end on the host, which a
+        # CUDA graph can't hold. MoE layers multiply by every expert where it doesn't apply.
+        hopper_or_blackwell = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (9, 10)
+        self.grouped_mm = dtype == torch.bfloat16 and (device.type == "cpu" or hopper_or_blackwell)
 
     def forward(self, tokens: Tensor, positions: Tensor, kv_positions: Tensor | None,
                 rows: slice = slice(None), logits_at: Tensor | None = None,
@@ -377,7 +392,7 @@ class Transformer(nn.Module):
         elif not fused:
             mask = (kv_positions <= positions[..., None])[:, None]  # causal: hides unwritten and stale slots
         ctx = ForwardContext(rows=rows, positions=positions, cos=cos, sin=sin, mask=mask,
-                             kv_len=kv_positions.shape[0], fused=fused)
+                             kv_len=kv_positions.shape[0], fused=fused, grouped_mm=self.grouped_mm)
         x = self.embed_tokens(tokens)
         for layer in self.layers:
             x = layer(x, ctx)

@@ -256,14 +256,32 @@ MOE_PARITY = {
 }
 
 
+@pytest.mark.parametrize("grouped_mm", [False, True], ids=["every-expert", "picked-experts"])
 @pytest.mark.parametrize("name", MOE_PARITY)
-def test_moe_parity_with_transformers_fp32(tmp_path, name):
+def test_moe_parity_with_transformers_fp32(tmp_path, name, grouped_mm):
+    """Both ways of multiplying by the experts: every expert on every token (fp32's, by default), and each
+    token's picked experts alone in one grouped product (bf16's; on the CPU it runs in fp32 too, eagerly)."""
     kw, sparse = MOE_PARITY[name]
     hf, path = converted(tmp_path, **kw)
     ours = load(path, capacity=128)
+    assert not ours.grouped_mm  # torch._grouped_mm compiles for bf16 alone
+    ours.grouped_mm = grouped_mm
     assert [i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")] == sparse
     assert [i for i, layer in enumerate(ours.layers) if isinstance(layer.mlp, M.MoE)] == sparse
     assert_parity(hf, ours, steps=32)
+
+
+def test_grouped_expert_products_equal_every_expert_products():
+    """Rows sorted by expert, some experts with no rows (the first, a middle one, the last), some with one:
+    the grouped product gives each row its own expert's product, as every expert on every row does."""
+    torch.manual_seed(0)
+    experts = torch.tensor([1, 1, 1, 2, 4, 4, 5, 5, 5, 5, 6])  # of 8: 0, 3 and 7 have none
+    rows, weight = torch.randn(len(experts), 24), torch.randn(8, 40, 24)
+    want = torch.stack([weight[e] @ r for r, e in zip(rows, experts, strict=True)])
+    for grouped_mm in (False, True):
+        assert torch.allclose(M.expert_products(rows, weight, experts, grouped_mm), want, atol=1e-5)
+    grouped, every = (M.expert_products(rows.bfloat16(), weight.bfloat16(), experts, g) for g in (True, False))
+    assert torch.allclose(grouped.float(), every.float(), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("yarn", [dict(factor=4.0), dict(factor=8.0, beta_fast=16, attention_factor=1.3)])
@@ -398,9 +416,12 @@ def test_output_does_not_depend_on_cache_capacity(tiny):
     assert greedy(tiny, prompts, max_new=40, capacity=64) == greedy(tiny, prompts, max_new=40, capacity=2048)
 
 
-def test_attended_length_buckets():
-    assert G.attended_length(1, 4096) == 256 and G.attended_length(257, 4096) == 512
-    assert G.attended_length(512, 4096) == 512 and G.attended_length(3000, 3000) == 3000
+def test_buckets():
+    """Powers of two from 64 to 2,048, then multiples of 2,048, within the capacity."""
+    lengths = [1, 64, 65, 128, 129, 1000, 2048, 2049, 4096, 4097, 32000]
+    buckets = [64, 64, 128, 128, 256, 1024, 2048, 4096, 4096, 6144, 32768]
+    assert [G.bucket(n, 40960) for n in lengths] == buckets
+    assert G.bucket(3000, 3000) == 3000 and G.bucket(100, 90) == 90
 
 
 # ---------------------------------------------------------------- converter
@@ -852,14 +873,18 @@ def test_sampling_settings_from_generation_config_are_checked_as_flags_are():
 
 # ---------------------------------------------------------------- decode modes
 
+@pytest.mark.parametrize("bucketed", [False, True], ids=["to-the-longest", "to-the-bucket"])
 @pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe"])
-def test_padded_batch_prefill_equals_each_prompt_alone(checkpoint, request):
-    """One forward for prompts of different lengths, padded after each prompt's end: each row's logits at its
-    last real token (fp32, 1e-5) and its cache at every real position are those of the prompt alone."""
+def test_padded_batch_prefill_equals_each_prompt_alone(checkpoint, bucketed, request):
+    """One forward for prompts of different lengths, padded after each prompt's end (to the longest, as
+    eagerly, or to its bucket, 64, as compiled or graphed): each row's logits at its last real token (fp32,
+    1e-5) and its cache at every real position are those of the prompt alone."""
     path = request.getfixturevalue(checkpoint)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7], [1, 8, 2, 8, 1]]
     gen = generator(path, batch=3)
+    gen.bucketed = bucketed
     gen.prefill(prompts)
+    assert gen.model.layers[0].self_attn.kv_cache.k[0, :, 63].any() == bucketed  # padding written up to 64
     batch_caches = [layer.self_attn.kv_cache for layer in gen.model.layers]
     for row, prompt in enumerate(prompts):
         alone = generator(path)
@@ -871,7 +896,7 @@ def test_padded_batch_prefill_equals_each_prompt_alone(checkpoint, request):
                 got = getattr(big, name)[row, :, :len(prompt)]
                 assert torch.allclose(got, getattr(small, name)[0, :, :len(prompt)], atol=1e-5)
     model = gen.model
-    longest = max(map(len, prompts))
+    longest = 64 if bucketed else max(map(len, prompts))
     tokens = torch.tensor([p + [0] * (longest - len(p)) for p in prompts])
     ends = torch.tensor([len(p) for p in prompts])
     with torch.no_grad():
@@ -915,9 +940,10 @@ def test_compile_matches_eager_on_cpu_sampled_with_one_seed(checkpoint, request)
     runs = {}
     for mode, seed in [("compile", 0), ("eager", 0), ("eager", 1)]:
         torch.manual_seed(seed)
-        # 300 steps cross the 256 -> 512 attended-length bucket: still one compiled graph (a dynamic length)
+        # 300 steps cross the attended lengths 64, 128, 256 and 512: still one compiled decode step (a dynamic
+        # length), beside the prefill's (one bucket)
         runs[mode, seed] = greedy(tiny, prompts, max_new=300, compile=mode == "compile", sampling=sampling)
-    assert counters["stats"]["unique_graphs"] == 1
+    assert counters["stats"]["unique_graphs"] == 2
     assert runs["compile", 0] == runs["eager", 0] != runs["eager", 1]
     assert len(set(runs["eager", 0][0])) > 50  # sampled, not stuck on a few tokens
 
@@ -988,8 +1014,9 @@ MODES = {"eager": {}, "compile": dict(compile=True), "graph": dict(cuda_graph=Tr
                                                  ("tiny", G.SamplingParams(temperature=1.0, top_k=50))],
                          ids=["dense", "moe", "dense-sampled"])
 def test_cuda_modes_identical_tokens(checkpoint, prompts, sampling, request):
-    """fp32: every mode gives eager's tokens, greedy and sampled with one seed. Batch 1 runs the Triton
-    decode kernels, batch 2 PyTorch's ops; 300 steps cross the 256 -> 512 attended length (a second graph)."""
+    """fp32: every mode gives eager's tokens, greedy and sampled with one seed, from a prefill padded to its
+    bucket (64) and compiled or graphed, or unpadded and eager. Batch 1 decodes with the Triton kernels,
+    batch 2 with PyTorch's ops; 300 steps cross the attended lengths 64, 128, 256 and 512 (one graph each)."""
     path = request.getfixturevalue(checkpoint)
     runs = {}
     for mode, flags in MODES.items():
@@ -1015,31 +1042,36 @@ def test_cuda_sampling_is_seeded_and_fresh_every_step(tiny, mode):
 
 @needs_cuda
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("prompts", [[[1, 2, 3]], [[1, 2, 3], [4, 5, 6, 7, 8]]], ids=["batch1", "batch2"])
 @pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe"])
-def test_cuda_no_host_sync_inside_decode_steps(checkpoint, mode, request):
+def test_cuda_no_host_sync_inside_prefill_and_decode_steps(checkpoint, prompts, mode, request):
+    """bf16, where MoE layers multiply by the picked experts alone in a grouped product (on Hopper and
+    Blackwell); batch 1 decodes with the kernels, batch 2 with PyTorch's ops."""
     sampling = G.SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
-    gen = generator(request.getfixturevalue(checkpoint), capacity=1024, sampling=sampling, device="cuda",
-                    dtype=torch.bfloat16, **MODES[mode])
-    gen.generate([[1, 2, 3]], max_new=40, stop_ids=set())  # warm-up: compile and capture
-    inner = gen.step
+    gen = generator(request.getfixturevalue(checkpoint), batch=len(prompts), capacity=1024, sampling=sampling,
+                    device="cuda", dtype=torch.bfloat16, **MODES[mode])
+    assert gen.model.grouped_mm == (torch.cuda.get_device_capability()[0] in (9, 10))
+    gen.generate(prompts, max_new=40, stop_ids=set())  # warm-up: compile and capture
 
-    def checked(kv_positions):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            inner(kv_positions)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    gen.step = checked
-    out = gen.generate([[1, 2, 3]], max_new=40, stop_ids=set())[0][0]
-    assert len(out) == 40
+    def checked(step):
+        def run(tensor):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                step(tensor)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return run
+    gen.step, gen.prefill_step = checked(gen.step), checked(gen.prefill_step)
+    out = gen.generate(prompts, max_new=40, stop_ids=set())[0]
+    assert [len(row) for row in out] == [40] * len(prompts)
 
 
 @needs_cuda
 @pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe"])
 def test_cuda_graph_capture_changes_no_state(checkpoint, request):
-    """The first graphed step of a length runs for real, then is captured: afterwards the decode state, the
-    caches and the random generator are those of one eager step; replays then advance them as eager steps
-    do, drawing the same noise."""
+    """The first graphed prefill or decode step of a length runs for real, then is captured: afterwards the
+    state, the caches and the random generator are those of one eager step; replays then advance them as
+    eager steps do, drawing the same noise."""
     path = request.getfixturevalue(checkpoint)
     sampling = G.SamplingParams(temperature=1.0, top_k=20)
     gens = [generator(path, sampling=sampling, device="cuda", cuda_graph=graph) for graph in (False, True)]
@@ -1049,14 +1081,18 @@ def test_cuda_graph_capture_changes_no_state(checkpoint, request):
         return [t.clone() for t in vars(gen.state).values()] + caches + [torch.cuda.get_rng_state()]
     states = []
     for gen in gens:
+        gen.bucketed = True  # eager too: the same prefill, padded to 64
         torch.manual_seed(5)
-        gen.prefill([[1, 2, 3, 4]])
+        for _ in range(2):  # warm-up and capture, then a replay
+            gen.prefill([[1, 2, 3, 4]])
+            states.append(state(gen))
         for _ in range(3):  # warm-up and capture, then replays
             gen.decode_step(8)
             states.append(state(gen))
-    for eager, graphed in zip(states[:3], states[3:], strict=True):
+    for eager, graphed in zip(states[:5], states[5:], strict=True):
         assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
-    assert len(gens[1].step.graphs) == 1 and len(set(gens[1].state.out[0, :4].tolist())) > 1
+    assert len(gens[1].prefill_step.graphs) == 1 and len(gens[1].step.graphs) == 1
+    assert len(set(gens[1].state.sequences[0, 4:8].tolist())) > 1
 
 
 @needs_cuda
@@ -1309,8 +1345,8 @@ def test_report_says_what_a_user_can_act_on():
                      "in all, over 50 steps.")
     compiled = G.report(stats, [[1] * 30, [2] * 52], compiled=True)
     assert compiled == ("82 new tokens in 2 rows. Time to first token 0.050 s; the first decode step 2.00 s "
-                        "(compilation and graph capture); then 100.0 tok/s per row, 200.0 in all, over 50 "
-                        "steps.")
+                        "(both compile and capture their graphs); then 100.0 tok/s per row, 200.0 in all, "
+                        "over 50 steps.")
     one = G.GenerationStats(prefill_s=0.05, first_step_s=0.0, decode_s=0.0, decode_steps=0)
     assert G.report(one, [[1]], compiled=True) == "1 new tokens in 1 row. Time to first token 0.050 s."
 
@@ -1396,6 +1432,8 @@ def test_kernel_gemv_of_picked_experts_matches_reference_ops(device, dtype, tol,
     with torch.no_grad():
         h = kernels.gemv(x, gate_up.weight, gate_up.scale, norm.weight, 1e-6, **routing)
         want = torch.einsum("k,enk->en", norm(x)[0, 0].float(), M.dequantized(gate_up, torch.float)[picked])
+        assert h.shape == (top_k, 1, 2 * N)
+        h = h[:, 0]
         assert_close(h, want, tol, "picked gate-up")
         got = kernels.gemv(h, down.weight, down.scale, gated=True, residual=res, routed=True, **routing)
         gated = torch.nn.functional.silu(h[:, :N].float()) * h[:, N:].float()

@@ -161,7 +161,7 @@ def profile(gen: G.Generator, tok_s: float, needed: int) -> list:
     """The kernels of one graphed decode step, timed by torch.profiler over replays of its CUDA graph (us per
     step): their number a layer, the GB/s of the matrix-vector products (the weights' bytes over their time),
     and the gaps: the step's time at `tok_s` minus its GPU time."""
-    kv_positions = gen.model.key_positions[:G.attended_length(needed, gen.capacity)]
+    kv_positions = gen.model.key_positions[:G.bucket(needed, gen.capacity)]
     with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
             gen.step(kv_positions)  # replays the step's CUDA graph
