@@ -280,7 +280,8 @@ def test_grouped_expert_products_equal_every_expert_products():
     want = torch.stack([weight[e] @ r for r, e in zip(rows, experts, strict=True)])
     for grouped_mm in (False, True):
         assert torch.allclose(M.expert_products(rows, weight, experts, grouped_mm), want, atol=1e-5)
-    grouped, every = (M.expert_products(rows.bfloat16(), weight.bfloat16(), experts, g) for g in (True, False))
+    rows, weight = rows.bfloat16(), weight.bfloat16()
+    grouped, every = (M.expert_products(rows, weight, experts, g) for g in (True, False))
     assert torch.allclose(grouped.float(), every.float(), rtol=1e-2, atol=1e-2)
 
 

@@ -6,7 +6,8 @@
     python bench/bench.py decode --size 30B-A3B --peer                  # MoE
     python bench/bench.py decode --size 0.6B --modes graph --profile   # the kernels of one graphed step
     python bench/bench.py decode --size 0.6B --no-kernels              # PyTorch's ops only
-    python bench/bench.py ttft --size 8B --prompt 2048 --peer             # time to first token
+    python bench/bench.py ttft --size 8B --lengths 128,2048 --modes eager,graph,compile --peer  # first token
+    python bench/bench.py ttft --size 8B --batch 8 --modes graph   # 8 prompts in one prefill, and one by one
     python bench/bench.py first-text --modes graph,compile  # from the model on the GPU to the first text
     python bench/bench.py bandwidth                      # the decode ceiling's denominator
 
@@ -111,6 +112,10 @@ def bandwidth() -> float:
     return x.numel() * 2 * 20 / (start.elapsed_time(end) * 1e6)
 
 
+def emit(row: dict) -> None:
+    print(json.dumps(row), flush=True)
+
+
 def rate_from_two_lengths(run, n1: int, n2: int, repeats: int) -> list[float]:
     """(n2 - n1) / (t(n2) - t(n1)) for `run(n)`, which generates n tokens; one figure per repeat."""
     rates = []
@@ -139,6 +144,7 @@ def decode(a: argparse.Namespace, mode: str) -> dict:
     gen = G.Generator(model, batch=a.batch, capacity=a.cache,
                       sampling=G.SamplingParams() if a.greedy else SAMPLED,
                       use_kernels=not a.no_kernels, **MODES[mode])
+    model.grouped_mm = model.grouped_mm and not a.every_expert
     prompts = [torch.randint(0, VOCAB, (a.prompt,)).tolist() for _ in range(a.batch)]
     t = time.perf_counter()
     gen.generate(prompts, max_new=2, stop_ids=set())  # one decode step: compiles and captures
@@ -206,28 +212,47 @@ def peer_decode(a: argparse.Namespace) -> dict:
 
 
 def ttft(a: argparse.Namespace) -> list:
-    """Time to first token: prefill of a --prompt-token prompt and one token, best of 5 after a warm-up."""
+    """Time to first token: the prefill of a prompt of each of --lengths tokens and its first token, best of 5
+    after a warm-up (which compiles and captures), for each of --modes; with --batch N, N prompts of 100 to
+    500 tokens in one prefill, beside the sum of their prefills one at a time. --peer: transformers'
+    generate(max_new_tokens=1) for each length, in the same process."""
     model = random_model(a.size, a.int8)
-    gen = G.Generator(model, batch=1, capacity=a.prompt + 16, sampling=SAMPLED, use_kernels=True)
-    prompt = torch.randint(0, VOCAB, (a.prompt,)).tolist()
-    ours = min(gen.generate([prompt], max_new=1, stop_ids=set())[1].prefill_s for _ in range(6))
-    rows = [{"size": a.size, "prompt": a.prompt, "ttft_ms": round(ours * 1e3, 1)}]
+    lengths = [int(n) for n in a.lengths.split(",")]
+    for mode in a.modes.split(","):
+        torch._dynamo.reset()
+        gc.collect()
+        gen = G.Generator(model, batch=a.batch, capacity=max(lengths + [500]) + 16, sampling=SAMPLED,
+                          **MODES[mode])
+        model.grouped_mm = model.grouped_mm and not a.every_expert
+
+        def best(prompts, gen=gen):
+            return min(gen.generate(prompts, max_new=1, stop_ids=set())[1].prefill_s for _ in range(6)) * 1e3
+        if a.batch > 1:
+            prompts = [torch.randint(0, VOCAB, (int(n),)).tolist() for n in torch.linspace(100, 500, a.batch)]
+            emit({"size": a.size, "mode": mode, "batch": a.batch, "one_prefill_ms": round(best(prompts), 1),
+                  "singles_ms": round(sum(best([p]) for p in prompts), 1)})
+            continue
+        for n in lengths:
+            emit({"size": a.size, "mode": mode, "prompt": n,
+                  "ttft_ms": round(best([torch.randint(0, VOCAB, (n,)).tolist()]), 1)})
     if a.peer:
         del gen, model
+        gc.collect()
         torch.cuda.empty_cache()
         peer = peer_model(a.size)
-        ids = torch.randint(0, VOCAB, (1, a.prompt), device="cuda")
-        times = []
-        for _ in range(6):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            with torch.inference_mode():
-                peer.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=0)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-        rows.append({"size": a.size, "prompt": a.prompt, "peer": "transformers generate(max_new_tokens=1)",
-                     "ttft_ms": round(min(times[1:]) * 1e3, 1)})
-    return rows
+        for n in lengths:
+            ids = torch.randint(0, VOCAB, (1, n), device="cuda")
+            times = []
+            for _ in range(6):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                with torch.inference_mode():
+                    peer.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=0)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t)
+            emit({"size": a.size, "prompt": n, "peer": "transformers generate(max_new_tokens=1)",
+                  "ttft_ms": round(min(times[1:]) * 1e3, 1)})
+    return []
 
 
 def first_text(a: argparse.Namespace) -> list:
@@ -267,6 +292,9 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--cache", type=int, default=1024, help="KV cache positions")
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens")
+    ap.add_argument("--lengths", default="128", help="ttft: comma-separated prompt lengths")
+    ap.add_argument("--every-expert", action="store_true", 
+                    help="MoE: every expert on every token where the kernels don't run")
     ap.add_argument("--n1", type=int, default=64)
     ap.add_argument("--n2", type=int, default=320)
     ap.add_argument("--repeats", type=int, default=3)
