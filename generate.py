@@ -119,9 +119,10 @@ def decode_one_token(model: Transformer, state: DecodeState, sampling: SamplingP
 
 def bucket(length: int, capacity: int) -> int:
     """One of the few lengths that the compiled and graphed steps see (one graph each): the next power of two
-    from 64 to 2,048, then the next multiple of 2,048 (at most 6% more at 32k), within the capacity. A decode
-    step attends to that prefix of the cache, so that its cost follows the live length, not the capacity; a
-    graphed or compiled prefill pads its prompts to it."""
+    from 64 to 2,048, then the next multiple of 2,048, within the capacity. A decode step attends to that
+    prefix of the cache, so that its cost follows the live length, not the capacity; a graphed or compiled
+    prefill pads its prompts to it. No prompt is too long for a graph: past 2,048 tokens the padding is at
+    most 2,047 tokens (6% at 32k), and a graph costs one capture, about an eager step's launches."""
     step = min(2048, max(64, 1 << (length - 1).bit_length()))
     return min(capacity, -(-length // step) * step)
 
@@ -181,7 +182,7 @@ class Generator:
         self.batch = batch
         self.capacity = capacity
         self.state = DecodeState(batch, capacity, device)
-        self.bucketed = compile or cuda_graph  # prompts padded to a few lengths, one graph or compile each
+        self.bucketed = compile or cuda_graph  # prompts padded to a few lengths, one graph each
         if compile:
             # Inductor's own random numbers differ from eager's: this makes it call eager's, so that one seed
             # gives one stream of noise in every mode (a process-wide setting; torch has no narrower one).

@@ -131,7 +131,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: Tensor) -> Tensor:  # in fp32 (as transformers), in one kernel on CUDA
+    def forward(self, x: Tensor) -> Tensor:  # normalised in fp32, as transformers does; one kernel on CUDA
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
