@@ -132,7 +132,8 @@ class CUDAGraphs:
     for real on a side stream (the warm-up, where lazy initialisation and Triton's compilation happen,
     outside any capture), then captures it. Capture records kernels without running them, so it changes no
     tensor: the state that the warm-up advanced is the state every later call, a replay, starts from. fn must
-    read and write static tensors only (DecodeState, the caches), as decode_one_token does."""
+    read and write static tensors only (DecodeState, the caches), as prefill_prompts and decode_one_token
+    do."""
 
     def __init__(self, fn):
         self.fn = fn
@@ -166,9 +167,9 @@ class GenerationStats:
 class Generator:
     """Prefill and the decode loop for up to `batch` prompts at once, in a cache of `capacity` positions.
     use_kernels: whether the Triton kernels run where they apply (one token of one row); by default, wherever
-    they can (CUDA, with kernels.py and Triton). The decode step runs eagerly; or with compile, under
-    torch.compile (reduce-overhead: inductor's code in its CUDA graphs); or with cuda_graph, as our CUDA
-    graphs (with compile too: inductor's code without its graphs, in ours)."""
+    they can (CUDA, with kernels.py and Triton). The prefill and decode steps run eagerly; or with compile,
+    under torch.compile (reduce-overhead: inductor's code in its CUDA graphs); or with cuda_graph, as our
+    CUDA graphs (with compile too: inductor's code without its graphs, in ours)."""
 
     def __init__(self, model: Transformer, *, batch: int, capacity: int, sampling: SamplingParams,
                  use_kernels: bool | None = None, compile: bool = False, cuda_graph: bool = False):
@@ -231,6 +232,7 @@ class Generator:
         if longest + max_new > self.capacity:
             raise UserError(f"prompt ({longest} tokens) + max new tokens ({max_new}) is over the cache "
                             f"length {self.capacity}: raise --cache-len or lower --max-new-tokens")
+        shortest = min(map(len, prompts))  # the checks read the sequences from there on, not the prompts
         state = self.state
         sync = torch.cuda.synchronize if state.tokens.is_cuda else (lambda: None)
         t0 = time.perf_counter()
@@ -244,8 +246,8 @@ class Generator:
         sync()
         t2 = time.perf_counter()
         while True:
-            sequences = state.sequences[:len(prompts), :longest + produced].tolist()  # the one sync per check
-            rows = [s[len(p):len(p) + produced] for s, p in zip(sequences, prompts, strict=True)]
+            tails = state.sequences[:len(prompts), shortest:longest + produced].tolist()  # one sync per check
+            rows = [t[len(p) - shortest:][:produced] for t, p in zip(tails, prompts, strict=True)]
             stopped = [next((i for i, t in enumerate(r) if t in stop_ids), None) for r in rows]
             if on_tokens:
                 on_tokens([r[:s] for r, s in zip(rows, stopped, strict=True)])
@@ -399,9 +401,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--max-new-tokens", type=POSITIVE, default=200)
     g.add_argument("--stop-ids", type=int, nargs="*", default=[], help="stop tokens besides the model's eos")
     g = ap.add_argument_group("speed")
-    g.add_argument("--compile", action="store_true", help="torch.compile the decode step (reduce-overhead)")
+    g.add_argument("--compile", action="store_true", help="torch.compile prefill and decode steps")
     g.add_argument("--cuda-graph", action="store_true",
-                   help="replay the decode step as our own CUDA graphs (with --compile: inductor's code)")
+                   help="replay prefill and decode as our CUDA graphs (with --compile: inductor's)")
     g.add_argument("--check-every", type=POSITIVE, default=16, help="decode steps between stop checks")
     g.add_argument("--cache-len", type=POSITIVE, help="KV cache positions (default: prompt + max new tokens)")
     a = ap.parse_args(argv)
