@@ -418,9 +418,9 @@ def test_output_does_not_depend_on_cache_capacity(tiny):
 
 
 def test_buckets():
-    """Powers of two from 64 to 2,048, then multiples of 2,048, within the capacity."""
-    lengths = [1, 64, 65, 128, 129, 1000, 2048, 2049, 4096, 4097, 32000]
-    buckets = [64, 64, 128, 128, 256, 1024, 2048, 4096, 4096, 6144, 32768]
+    """Powers of two from 64 to 2,048, then multiples of 256, within the capacity."""
+    lengths = [1, 64, 65, 128, 129, 1000, 2048, 2049, 2304, 4097, 32000, 32001]
+    buckets = [64, 64, 128, 128, 256, 1024, 2048, 2304, 2304, 4352, 32000, 32256]
     assert [G.bucket(n, 40960) for n in lengths] == buckets
     assert G.bucket(3000, 3000) == 3000 and G.bucket(100, 90) == 90
 
