@@ -99,7 +99,7 @@ def _norm_rope(x, rows, rowmask, w, cos, sin, eps, HEAD_DIM: tl.constexpr, D: tl
     wd = tl.load(w + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
     wo = tl.load(w + other, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xd * xd, axis=1) / HEAD_DIM + eps)[:, None]
-    rotated = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)[None, :] * xo * wo[None, :] * sin[None, :]
+    rotated = xo * wo[None, :] * sin[None, :]  # the sin table carries rotate_half's signs
     return (xd * wd[None, :] * cos[None, :] + rotated) * rstd
 
 @triton.jit

@@ -204,9 +204,11 @@ class StaticKVCache(nn.Module):
         return self.k[rows, :, :kv_len], self.v[rows, :, :kv_len]
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # split-halves layout, as transformers
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE in the split-halves layout, as transformers: x * cos + rotate_half(x) * sin, where rotate_half(x)
+    is (-x2, x1) for x = (x1, x2). The sin table carries rotate_half's signs, (-sin, sin), so the rotation is
+    a roll of the halves: one kernel instead of a negation and a concatenation."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 @dataclass
@@ -278,26 +280,30 @@ class MoE(nn.Module):
 
     def forward(self, x: Tensor, norm: RMSNorm, residual: Tensor, ctx: ForwardContext) -> Tensor:
         """residual + the routing-weighted sum over the picked experts e of down_e(silu(gate_e) * up_e)."""
-        logits = project(self.gate, x, norm=norm, fused=ctx.fused)
         if ctx.fused:  # the kernels pick the experts from the logits and read the picked ones' weights alone
+            logits = project(self.gate, x, norm=norm, fused=True)
             routing = dict(router=logits.view(-1), top_k=self.top_k, norm_topk_prob=self.norm_topk_prob)
             gate_up = kernels.gemv(x, self.gate_up_proj.weight, scale=self.gate_up_proj.scale,
                                    norm=norm.weight, eps=norm.eps, **routing)  # (top_k, 1, 2 x moe_inter.)
             return kernels.gemv(gate_up, self.down_proj.weight, scale=self.down_proj.scale, gated=True,
                                 residual=residual, routed=True, **routing)
-        weights, picked = logits.softmax(-1, dtype=torch.float).topk(self.top_k)  # (R, T, top_k)
+        normed = norm(x)
+        weights, picked = self.gate(normed).softmax(-1, dtype=torch.float).topk(self.top_k)  # (R, T, top_k)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         # Each token through its picked experts alone: its (token, pick) pairs, sorted by expert so that
-        # each expert's pairs are one run of rows. Routing weights are rounded as transformers rounds them.
-        experts, order = picked.flatten().sort()  # (pairs,)
-        rows = norm(x).flatten(0, 1)[order // self.top_k]  # (pairs, hidden): each pair's token
+        # each expert's pairs are one run of rows (int32 keys: half the radix sort's passes of int64).
+        # Routing weights are rounded as transformers rounds them.
+        experts, order = picked.flatten().int().sort()  # (pairs,)
+        rows = normed.flatten(0, 1)[order // self.top_k]  # (pairs, hidden): each pair's token
         gate_up = expert_products(rows, dequantized(self.gate_up_proj, x.dtype), experts, ctx.grouped_mm)
         gate, up = gate_up.chunk(2, dim=-1)
         hidden = F.silu(gate) * up * weights.flatten()[order, None].to(x.dtype)
         y = expert_products(hidden, dequantized(self.down_proj, x.dtype), experts, ctx.grouped_mm)
-        y = torch.empty_like(y).index_copy_(0, order, y)  # back in (token, pick) order
-        return residual + y.view(*x.shape[:2], self.top_k, -1).sum(2)
+        # Back in (token, pick) order by a gather at the inverse permutation (a gather is a few times faster
+        # than the scatter, index_copy_, of the same rows).
+        unsorted = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=x.device))
+        return residual + y[unsorted].view(*x.shape[:2], self.top_k, -1).sum(2)
 
 
 def expert_products(rows: Tensor, weight: Tensor, experts: Tensor, grouped_mm: bool) -> Tensor:
@@ -363,7 +369,8 @@ class Transformer(nn.Module):
         inv_freq, scale = rope_frequencies(a)
         angles = torch.arange(capacity, dtype=torch.float)[:, None] * inv_freq.repeat(2)  # both halves alike
         self.register_buffer("rope_cos", (angles.cos() * scale).to(device, dtype), persistent=False)
-        self.register_buffer("rope_sin", (angles.sin() * scale).to(device, dtype), persistent=False)
+        signs = torch.tensor([-1.0, 1.0]).repeat_interleave(a.head_dim // 2)  # rotate_half's, in the table
+        self.register_buffer("rope_sin", (angles.sin() * scale * signs).to(device, dtype), persistent=False)
         self.register_buffer("key_positions", torch.arange(capacity, device=device), persistent=False)
         # torch._grouped_mm compiles for bf16 alone, and on CUDA it has a kernel for Hopper and Blackwell
         # alone: elsewhere it loops over the experts reading where each one's rows end on the host, which a

@@ -1460,7 +1460,8 @@ def test_kernel_decode_attention_matches_reference_ops(device, dtype, tol, heads
     q_norm, k_norm = (torch.rand(head_dim, device=device, dtype=dtype) + 0.5 for _ in range(2))
     inv_freq = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
     angles = (torch.arange(capacity).float()[:, None] * inv_freq.repeat(2)).to(device)
-    cos_table, sin_table = angles.cos().to(dtype), angles.sin().to(dtype)  # (capacity, head_dim)
+    signs = torch.tensor([-1.0, 1.0], device=device).repeat_interleave(head_dim // 2)  # as setup_cache's
+    cos_table, sin_table = angles.cos().to(dtype), (angles.sin() * signs).to(dtype)  # (capacity, head_dim)
     cos, sin = cos_table[positions][:, None, None], sin_table[positions][:, None, None]  # (R, 1, 1, head_dim)
 
     def rms(x, w):
