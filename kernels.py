@@ -232,12 +232,12 @@ def decode_attention(qkv: Tensor, cache_k: Tensor, cache_v: Tensor, first_row: i
                      kv_len: int) -> Tensor:
     """One query per row: qkv (R, 1, (heads + 2 kv_heads) * head_dim), the fused projection, at positions (R,)
     of cache rows first_row ... first_row + R - 1 of cache_k/cache_v (slots, kv_heads, capacity, head_dim),
-    which get the new key and value there; cos/sin the RoPE tables (positions, head_dim); q_norm/k_norm the
-    RMSNorm weights. Attends to keys at positions <= the query's, split over the keys into programs per (row,
-    kv head), so that one row still fills the GPU; returns (R, heads, head_dim). kv_len, a bound on the
-    positions (the attended length), sets the number of splits: a 64-key block each until there are 32,
-    then more blocks each, which measured best on the H200 from 1,024 to 32,768 keys (bench/RESULTS.md); any
-    kv_len gives the same result."""
+    which get the new key and value there; cos/sin the RoPE tables (positions, head_dim), sin with
+    rotate_half's signs (model.apply_rope); q_norm/k_norm the RMSNorm weights. Attends to keys at positions
+    <= the query's, split over the keys into programs per (row, kv head), so that one row still fills the
+    GPU; returns (R, heads, head_dim). kv_len, a bound on the positions (the attended length), sets the
+    number of splits: a 64-key block each until there are 32, then more blocks each, which measured best on
+    the H200 from 1,024 to 32,768 keys (bench/RESULTS.md); any kv_len gives the same result."""
     splits = min(32, triton.next_power_of_2(triton.cdiv(kv_len, 64)))  # a power of two, for the merge
     R = qkv.shape[0]
     kv_heads, head_dim = cache_k.shape[1], cache_k.shape[3]
