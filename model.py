@@ -217,7 +217,7 @@ class ForwardContext:
     rows: slice  # the cache rows of the batch
     positions: Tensor  # (R, T) absolute positions of the tokens
     cos: Tensor  # (R, T, 1, head_dim) RoPE at those positions; fused: the whole table (capacity, head_dim)
-    sin: Tensor
+    sin: Tensor  # the same for sin, which carries rotate_half's signs (see apply_rope)
     mask: Tensor | None  # (R, 1, T, kv_len), True where a token may attend; None: causal among the tokens
     kv_len: int  # the attended length: every position so far is below it
     fused: bool  # one token on CUDA: the projections run as the Triton kernel

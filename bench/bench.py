@@ -293,7 +293,7 @@ def main():
     ap.add_argument("--cache", type=int, default=1024, help="KV cache positions")
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens")
     ap.add_argument("--lengths", default="128", help="ttft: comma-separated prompt lengths")
-    ap.add_argument("--every-expert", action="store_true", 
+    ap.add_argument("--every-expert", action="store_true",
                     help="MoE: every expert on every token where the kernels don't run")
     ap.add_argument("--n1", type=int, default=64)
     ap.add_argument("--n2", type=int, default=320)
