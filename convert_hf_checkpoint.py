@@ -94,7 +94,7 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
         tmp.mkdir()
         shard = {}
         n_shards = 0
-        for name, parts in sources.items():
+        for i, (name, parts) in enumerate(sources.items()):
             missing = [hf for hf in parts if hf not in files]
             if missing:
                 raise UserError(f"{src}: the checkpoint lacks {missing[0]}")
@@ -115,12 +115,10 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
             if scale_name in expected:
                 w, shard[scale_name] = quantize_int8(w)
             shard[name] = w.contiguous()
-            if sum(t.nbytes for t in shard.values()) >= shard_bytes:
+            if sum(t.nbytes for t in shard.values()) >= shard_bytes or i == len(sources) - 1:  # full, or last
                 save_file(shard, tmp / f"model-{n_shards:05d}.safetensors")
                 shard = {}
                 n_shards += 1
-        if shard:
-            save_file(shard, tmp / f"model-{n_shards:05d}.safetensors")
         (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
         for name in COPIED:
             if (src / name).is_file():

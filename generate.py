@@ -102,7 +102,7 @@ def prefill_prompts(model: Transformer, state: DecodeState, sampling: SamplingPa
     in state.positions, into state.tokens and the row's sequence. Device-side only, as decode_one_token."""
     rows, length = positions.shape
     logits = model(state.sequences[:rows, :length], positions, None, rows=slice(0, rows),
-                   logits_at=state.positions[:rows, 0] - 1, use_kernels=use_kernels)
+                   logits_at=state.positions[:rows] - 1, use_kernels=use_kernels)
     state.tokens[:rows, 0] = sample(logits[:, -1], sampling)
     state.sequences.scatter_(1, state.positions, state.tokens)
 
@@ -111,8 +111,7 @@ def decode_one_token(model: Transformer, state: DecodeState, sampling: SamplingP
                      kv_positions: torch.Tensor) -> None:
     """One step for every row, device-side only: the eager, compiled and graphed modes all run this."""
     logits = model(state.tokens, state.positions, kv_positions, use_kernels=use_kernels)
-    token = sample(logits[:, -1], sampling)
-    state.tokens.copy_(token[:, None])
+    state.tokens.copy_(sample(logits[:, -1], sampling)[:, None])
     state.positions.add_(1)
     state.sequences.scatter_(1, state.positions, state.tokens)
 

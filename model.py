@@ -3,7 +3,7 @@ decode."""
 import json
 import math
 import pathlib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 import torch.nn as nn
@@ -170,11 +170,9 @@ def project(proj: nn.Module, x: Tensor, *, fused: bool, norm: RMSNorm | None = N
             residual: Tensor | None = None) -> Tensor:
     """residual + proj(a), where a is norm(x) with `norm`, silu(gate) * up of x = [gate, up] with `gated`,
     else x. fused: one Triton kernel (one token on CUDA); otherwise PyTorch's ops, the kernel's reference."""
-    if fused:
-        norm_weight = None if norm is None else norm.weight
-        eps = 0.0 if norm is None else norm.eps
-        return kernels.gemv(x, proj.weight, scale=proj.scale, norm=norm_weight, eps=eps,
-                            gated=gated, residual=residual)
+    if fused:  # the kernel normalises x as it reads it, with the norm's weight and eps (if there is a norm)
+        return kernels.gemv(x, proj.weight, scale=proj.scale, norm=getattr(norm, "weight", None),
+                            eps=getattr(norm, "eps", 0.0), gated=gated, residual=residual)
     if norm is not None:
         x = norm(x)
     if gated:
@@ -222,6 +220,7 @@ class ForwardContext:
     kv_len: int  # the attended length: every position so far is below it
     fused: bool  # one token on CUDA: the projections run as the Triton kernel
     grouped_mm: bool  # MoE layers multiply by the picked experts alone (see expert_products)
+    queries_at: Tensor | None = None  # (R, 1): the token of each row that goes on past the keys and values
 
 
 class Attention(nn.Module):
@@ -238,20 +237,22 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, norm: RMSNorm, residual: Tensor, ctx: ForwardContext) -> Tensor:
         """residual + attention(norm(x))."""
-        R, T, _ = x.shape
         qkv = project(self.qkv_proj, x, norm=norm, fused=ctx.fused)
         if ctx.fused:  # the q/k norms, RoPE, the cache write and attention in one kernel (and a merge)
             y = kernels.decode_attention(qkv, self.kv_cache.k, self.kv_cache.v, ctx.rows.start or 0,
                                          ctx.positions[:, 0], ctx.cos, ctx.sin, self.q_norm.weight,
                                          self.k_norm.weight, self.q_norm.eps, self.n_heads, ctx.kv_len)
         else:
-            q, k, v = qkv.view(R, T, -1, self.head_dim).split([self.n_heads, self.n_kv, self.n_kv], dim=2)
+            q, k, v = qkv.unflatten(2, (-1, self.head_dim)).split([self.n_heads, self.n_kv, self.n_kv], dim=2)
             q = apply_rope(self.q_norm(q), ctx.cos, ctx.sin)
             k = apply_rope(self.k_norm(k), ctx.cos, ctx.sin)
             keys, values = self.kv_cache.update(ctx.rows, ctx.positions, k, v, ctx.kv_len)
+            if ctx.queries_at is not None:  # the last layer of a prefill: see Transformer.forward (logits_at)
+                q = q.take_along_dim(ctx.queries_at[..., None, None], dim=1)
+                residual = residual.take_along_dim(ctx.queries_at[..., None], dim=1)
             y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=ctx.mask,
                                                is_causal=ctx.mask is None, enable_gqa=True).transpose(1, 2)
-        return project(self.o_proj, y.reshape(R, T, -1), residual=residual, fused=ctx.fused)
+        return project(self.o_proj, y.reshape(*residual.shape[:-1], -1), residual=residual, fused=ctx.fused)
 
 
 class MLP(nn.Module):
@@ -385,7 +386,9 @@ class Transformer(nn.Module):
         slice of key_positions covering every position written so far), or None for prompts at positions
         0 ... T - 1, which attend causally among themselves (flash attention, no T x T mask). use_kernels: the
         Triton kernels run where they apply (a single token). Returns logits (R, T, vocab), or with logits_at
-        (R,) those of one token per row (R, 1, vocab)."""
+        (R, 1), the index of one token in each row, that token's (R, 1, vocab): then the last layer computes
+        its keys and values at every token (the cache needs them) but its queries, attention, o_proj and MLP
+        at those tokens alone, 1/layers of a prefill's work saved (8B, 32,000 tokens: 25 ms)."""
         if self.layers[0].self_attn.kv_cache is None:
             raise RuntimeError("call setup_cache(slots, capacity) before running the model")
         fused = use_kernels and tokens.numel() == 1
@@ -400,10 +403,12 @@ class Transformer(nn.Module):
         ctx = ForwardContext(rows=rows, positions=positions, cos=cos, sin=sin, mask=mask,
                              kv_len=kv_positions.shape[0], fused=fused, grouped_mm=self.grouped_mm)
         x = self.embed_tokens(tokens)
-        for layer in self.layers:
+        for layer in self.layers[:-1]:
             x = layer(x, ctx)
-        if logits_at is not None:
-            x = x[torch.arange(x.shape[0], device=x.device), logits_at][:, None]
+        if logits_at is not None:  # the last layer goes on from its keys and values at logits_at alone
+            query_positions = positions.take_along_dim(logits_at, dim=1)  # (R, 1)
+            ctx = replace(ctx, queries_at=logits_at, mask=kv_positions <= query_positions[..., None, None])
+        x = self.layers[-1](x, ctx)
         return project(self.lm_head, x, norm=self.norm, fused=fused)
 
     def checkpoint_tensors(self) -> dict[str, Tensor]:

@@ -901,9 +901,32 @@ def test_padded_batch_prefill_equals_each_prompt_alone(checkpoint, bucketed, req
     tokens = torch.tensor([p + [0] * (longest - len(p)) for p in prompts])
     ends = torch.tensor([len(p) for p in prompts])
     with torch.no_grad():
-        logits = model(tokens, torch.arange(longest).expand(3, -1), None, logits_at=ends - 1)[:, 0]
+        logits = model(tokens, torch.arange(longest).expand(3, -1), None, logits_at=ends[:, None] - 1)[:, 0]
     for row, prompt in enumerate(prompts):
         assert torch.allclose(logits[row], forward(load(path), prompt)[-1], atol=1e-5)
+
+
+@pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe"])
+def test_logits_at_runs_the_last_layer_at_those_tokens_alone(checkpoint, request):
+    """With logits_at, the last layer's queries, attention, o_proj and MLP run at one token per row, its
+    keys and values at every token: the logits are the full forward's at those tokens (fp32, 1e-5), through
+    the causal path and the masked one, and the last layer's cache is the full forward's."""
+    path = request.getfixturevalue(checkpoint)
+    torch.manual_seed(5)
+    tokens = torch.randint(0, VOCAB, (2, 40))
+    positions = torch.arange(40).expand(2, -1)
+    at = torch.tensor([[39], [17]])
+    full = load(path, slots=2)
+    with torch.no_grad():
+        want = full(tokens, positions, None)
+        for kv_positions in (None, full.key_positions[:40]):
+            model = load(path, slots=2)
+            got = model(tokens, positions, kv_positions, logits_at=at)
+            assert got.shape == (2, 1, VOCAB)
+            for row in range(2):
+                assert torch.allclose(got[row, 0], want[row, at[row, 0]], atol=1e-5)
+            last, last_full = model.layers[-1].self_attn.kv_cache, full.layers[-1].self_attn.kv_cache
+            assert torch.allclose(last.k, last_full.k, atol=1e-6) and torch.equal(last.v, last_full.v)
 
 
 def test_causal_prompt_path_equals_the_masked_one(tiny):
