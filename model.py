@@ -216,11 +216,11 @@ class ForwardContext:
     positions: Tensor  # (R, T) absolute positions of the tokens
     cos: Tensor  # (R, T, 1, head_dim) RoPE at those positions; fused: the whole table (capacity, head_dim)
     sin: Tensor  # the same for sin, which carries rotate_half's signs (see apply_rope)
-    mask: Tensor | None  # (R, 1, T, kv_len), True where a token may attend; None: causal among the tokens
+    mask: Tensor | None  # (R, 1, queries, kv_len), True where a query may attend; None: causal, no mask
     kv_len: int  # the attended length: every position so far is below it
     fused: bool  # one token on CUDA: the projections run as the Triton kernel
     grouped_mm: bool  # MoE layers multiply by the picked experts alone (see expert_products)
-    queries_at: Tensor | None = None  # (R, 1): the token of each row that goes on past the keys and values
+    queries_at: Tensor | None = None  # (R, 1) indices: the only queries (the last layer of a prefill)
 
 
 class Attention(nn.Module):
