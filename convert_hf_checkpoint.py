@@ -93,7 +93,6 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
         shard = {}
-        n_shards = 0
         for i, (name, parts) in enumerate(sources.items()):
             missing = [hf for hf in parts if hf not in files]
             if missing:
@@ -116,9 +115,9 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
                 w, shard[scale_name] = quantize_int8(w)
             shard[name] = w.contiguous()
             if sum(t.nbytes for t in shard.values()) >= shard_bytes or i == len(sources) - 1:  # full, or last
-                save_file(shard, tmp / f"model-{n_shards:05d}.safetensors")
+                # Named by the index of its last tensor: in order, as the loader reads them
+                save_file(shard, tmp / f"model-{i:05d}.safetensors")
                 shard = {}
-                n_shards += 1
         (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
         for name in COPIED:
             if (src / name).is_file():

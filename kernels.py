@@ -198,8 +198,7 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | 
     picks' sum weighted by their routing weights (1, 1, N)."""
     N, K = weight.shape[-2:]
     experts = 0 if router is None else router.shape[-1]
-    outputs = top_k if experts and not routed else 1
-    out = x.new_empty(outputs, 1, N)
+    out = gemv_output(x, weight, router=router, top_k=top_k, routed=routed)  # as the fake op gives it
     int8 = weight.dtype == torch.int8
     fused_input = "plain"
     if router is not None:
@@ -212,7 +211,7 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | 
                    TERMS=top_k if routed else 1, EB=triton.next_power_of_2(max(experts, 1)),
                    KB=triton.next_power_of_2(max(top_k, 1)))
     # A None argument is a constexpr None to Triton: the branches that would read it are not compiled.
-    _gemv[(triton.cdiv(N, config["BN"]), outputs)](
+    _gemv[(triton.cdiv(N, config["BN"]), out.shape[0])](
         x, words, scale, norm, residual, out, router, N, K, x.shape[-1], eps, NORM=norm is not None,
         GATED=gated, SCALE=scale is not None, RES=residual is not None, PACK=4 if int8 else 1, **routing,
         **config)
@@ -220,8 +219,9 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | 
 
 
 @gemv.register_fake
-def _(x, weight, scale=None, norm=None, eps=0.0, gated=False, residual=None, router=None, top_k=0,
-      norm_topk_prob=False, routed=False):
+def gemv_output(x, weight, scale=None, norm=None, eps=0.0, gated=False, residual=None, router=None, top_k=0,
+                norm_topk_prob=False, routed=False):
+    """The output of gemv, uninitialised: (top_k, 1, N) for the picked experts, else (1, 1, N)."""
     outputs = top_k if router is not None and not routed else 1
     return x.new_empty(outputs, 1, weight.shape[-2])
 

@@ -125,16 +125,6 @@ def rope_frequencies(a: ModelArgs) -> tuple[Tensor, float]:
     return 1.0 / (factor * pos_freqs) * ramp + 1.0 / pos_freqs * (1 - ramp), scale  # interpolated, original
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:  # normalised in fp32, as transformers does; one kernel on CUDA
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-
-
 class Linear(nn.Module):
     """A bias-free linear layer; with `experts`, one weight per expert: (experts, n_out, n_in). int8 stores
     the weight as int8 with a scale per output row (weight-only quantization)."""
@@ -166,7 +156,7 @@ def linear(args: ModelArgs, n_in: int, n_out: int, experts: int | None = None) -
     return Linear(n_in, n_out, int8=args.quantization == "int8", experts=experts)
 
 
-def project(proj: nn.Module, x: Tensor, *, fused: bool, norm: RMSNorm | None = None, gated: bool = False,
+def project(proj: nn.Module, x: Tensor, *, fused: bool, norm: nn.RMSNorm | None = None, gated: bool = False,
             residual: Tensor | None = None) -> Tensor:
     """residual + proj(a), where a is norm(x) with `norm`, silu(gate) * up of x = [gate, up] with `gated`,
     else x. fused: one Triton kernel (one token on CUDA); otherwise PyTorch's ops, the kernel's reference."""
@@ -221,6 +211,16 @@ class ForwardContext:
     fused: bool  # one token on CUDA: the projections run as the Triton kernel
     grouped_mm: bool  # MoE layers multiply by the picked experts alone (see expert_products)
     queries_at: Tensor | None = None  # (R, 1) indices: the only queries (the last layer of a prefill)
+    packed: Tensor | None = None  # (N,) indices into the (R, T) grid: the tokens that run; None: all
+
+    def on_grid(self, x: Tensor) -> Tensor:
+        """Activations (1, N, C) of the packed tokens on the (R, T) grid of the positions, zeros where a
+        token didn't run; those of every token, (R, T, C), as they are."""
+        if self.packed is None:
+            return x
+        grid = x.new_zeros(*self.positions.shape, x.shape[-1])
+        grid.flatten(0, 1)[self.packed] = x[0]
+        return grid
 
 
 class Attention(nn.Module):
@@ -231,11 +231,11 @@ class Attention(nn.Module):
         self.head_dim = args.head_dim
         self.qkv_proj = linear(args, args.hidden_size, (self.n_heads + 2 * self.n_kv) * self.head_dim)
         self.o_proj = linear(args, self.n_heads * self.head_dim, args.hidden_size)
-        self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+        self.q_norm = nn.RMSNorm(self.head_dim, args.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(self.head_dim, args.rms_norm_eps)
         self.kv_cache: StaticKVCache | None = None
 
-    def forward(self, x: Tensor, norm: RMSNorm, residual: Tensor, ctx: ForwardContext) -> Tensor:
+    def forward(self, x: Tensor, norm: nn.RMSNorm, residual: Tensor, ctx: ForwardContext) -> Tensor:
         """residual + attention(norm(x))."""
         qkv = project(self.qkv_proj, x, norm=norm, fused=ctx.fused)
         if ctx.fused:  # the q/k norms, RoPE, the cache write and attention in one kernel (and a merge)
@@ -243,15 +243,19 @@ class Attention(nn.Module):
                                          ctx.positions[:, 0], ctx.cos, ctx.sin, self.q_norm.weight,
                                          self.k_norm.weight, self.q_norm.eps, self.n_heads, ctx.kv_len)
         else:
+            # Packed tokens (see Transformer.forward) attend on their grid: a row per prompt, zeros between.
+            qkv = ctx.on_grid(qkv)
             q, k, v = qkv.unflatten(2, (-1, self.head_dim)).split([self.n_heads, self.n_kv, self.n_kv], dim=2)
             q = apply_rope(self.q_norm(q), ctx.cos, ctx.sin)
             k = apply_rope(self.k_norm(k), ctx.cos, ctx.sin)
             keys, values = self.kv_cache.update(ctx.rows, ctx.positions, k, v, ctx.kv_len)
             if ctx.queries_at is not None:  # the last layer of a prefill: see Transformer.forward (logits_at)
                 q = q.take_along_dim(ctx.queries_at[..., None, None], dim=1)
-                residual = residual.take_along_dim(ctx.queries_at[..., None], dim=1)
+                residual = ctx.on_grid(residual).take_along_dim(ctx.queries_at[..., None], dim=1)
             y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=ctx.mask,
                                                is_causal=ctx.mask is None, enable_gqa=True).transpose(1, 2)
+            if ctx.packed is not None and ctx.queries_at is None:  # back to the packed tokens
+                y = y.flatten(0, 1)[ctx.packed]
         return project(self.o_proj, y.reshape(*residual.shape[:-1], -1), residual=residual, fused=ctx.fused)
 
 
@@ -261,7 +265,7 @@ class MLP(nn.Module):
         self.gate_up_proj = linear(args, args.hidden_size, 2 * args.intermediate_size)
         self.down_proj = linear(args, args.intermediate_size, args.hidden_size)
 
-    def forward(self, x: Tensor, norm: RMSNorm, residual: Tensor, ctx: ForwardContext) -> Tensor:
+    def forward(self, x: Tensor, norm: nn.RMSNorm, residual: Tensor, ctx: ForwardContext) -> Tensor:
         """residual + down(silu(gate) * up) of norm(x)."""
         gate_up = project(self.gate_up_proj, x, norm=norm, fused=ctx.fused)
         return project(self.down_proj, gate_up, gated=True, residual=residual, fused=ctx.fused)
@@ -279,7 +283,7 @@ class MoE(nn.Module):
         self.gate_up_proj = linear(args, args.hidden_size, 2 * args.moe_intermediate_size, args.num_experts)
         self.down_proj = linear(args, args.moe_intermediate_size, args.hidden_size, args.num_experts)
 
-    def forward(self, x: Tensor, norm: RMSNorm, residual: Tensor, ctx: ForwardContext) -> Tensor:
+    def forward(self, x: Tensor, norm: nn.RMSNorm, residual: Tensor, ctx: ForwardContext) -> Tensor:
         """residual + the routing-weighted sum over the picked experts e of down_e(silu(gate_e) * up_e)."""
         if ctx.fused:  # the kernels pick the experts from the logits and read the picked ones' weights alone
             logits = project(self.gate, x, norm=norm, fused=True)
@@ -326,9 +330,9 @@ def dequantized(proj: Linear, dtype) -> Tensor:
 class Block(nn.Module):
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.self_attn = Attention(args)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MoE(args) if args.is_sparse(layer) else MLP(args)
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
@@ -345,12 +349,11 @@ class Transformer(nn.Module):
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_hidden_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.norm = nn.RMSNorm(args.hidden_size, args.rms_norm_eps)
+        int8 = args.quantization == "int8" and not args.tie_word_embeddings  # a tied one: the embedding
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, int8=int8)
         if args.tie_word_embeddings:
-            self.lm_head = Linear(args.hidden_size, args.vocab_size)
             self.lm_head.weight = self.embed_tokens.weight
-        else:
-            self.lm_head = linear(args, args.hidden_size, args.vocab_size)
 
     def setup_cache(self, slots: int, capacity: int):
         """Allocates a StaticKVCache per layer and the RoPE table for positions [0, capacity)."""
@@ -380,7 +383,7 @@ class Transformer(nn.Module):
         self.grouped_mm = dtype == torch.bfloat16 and (device.type == "cpu" or hopper_or_blackwell)
 
     def forward(self, tokens: Tensor, positions: Tensor, kv_positions: Tensor | None,
-                rows: slice = slice(None), logits_at: Tensor | None = None,
+                rows: slice = slice(None), logits_at: Tensor | None = None, packed: Tensor | None = None,
                 use_kernels: bool = False) -> Tensor:
         """tokens, positions: (R, T) for cache rows `rows`; kv_positions: the cache prefix to attend over (a
         slice of key_positions covering every position written so far), or None for prompts at positions
@@ -388,7 +391,14 @@ class Transformer(nn.Module):
         Triton kernels run where they apply (a single token). Returns logits (R, T, vocab), or with logits_at
         (R, 1), the index of one token in each row, that token's (R, 1, vocab): then the last layer computes
         its keys and values at every token (the cache needs them) but its queries, attention, o_proj and MLP
-        at those tokens alone, 1/layers of a prefill's work saved (8B, 32,000 tokens: 25 ms)."""
+        at those tokens alone, 1/layers of a prefill's work saved (8B, 32,000 tokens: 25 ms).
+
+        packed (N,), indices into the flattened (R, T) grid, with kv_positions None: the tokens that run, the
+        rest never computed (a batch of prompts padded to the longest: the padding). The projections and MLPs
+        see the N tokens alone, (1, N, hidden); attention puts them back on the grid, a row per prompt, where
+        the causal rule keeps every query to its row's keys; a token that didn't run has zeros there. So the
+        tokens of a row that run must be its first ones: its prompt, then padding (which the causal rule
+        hides from the prompt). Without logits_at, the logits are the packed tokens' (1, N, vocab)."""
         if self.layers[0].self_attn.kv_cache is None:
             raise RuntimeError("call setup_cache(slots, capacity) before running the model")
         fused = use_kernels and tokens.numel() == 1
@@ -400,9 +410,9 @@ class Transformer(nn.Module):
             kv_positions = self.key_positions[:tokens.shape[1]]
         elif not fused:
             mask = (kv_positions <= positions[..., None])[:, None]  # causal: hides unwritten and stale slots
-        ctx = ForwardContext(rows=rows, positions=positions, cos=cos, sin=sin, mask=mask,
+        ctx = ForwardContext(rows=rows, positions=positions, cos=cos, sin=sin, mask=mask, packed=packed,
                              kv_len=kv_positions.shape[0], fused=fused, grouped_mm=self.grouped_mm)
-        x = self.embed_tokens(tokens)
+        x = self.embed_tokens(tokens if packed is None else tokens.flatten()[packed][None])
         for layer in self.layers[:-1]:
             x = layer(x, ctx)
         if logits_at is not None:  # the last layer goes on from its keys and values at logits_at alone

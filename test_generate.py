@@ -878,14 +878,17 @@ def test_sampling_settings_from_generation_config_are_checked_as_flags_are():
 @pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe"])
 def test_padded_batch_prefill_equals_each_prompt_alone(checkpoint, bucketed, request):
     """One forward for prompts of different lengths, padded after each prompt's end (to the longest, as
-    eagerly, or to its bucket, 64, as compiled or graphed): each row's logits at its last real token (fp32,
-    1e-5) and its cache at every real position are those of the prompt alone."""
+    eagerly, or to its bucket, 64, as compiled or graphed), their 55 tokens packed into 64 that run: each
+    row's logits at its last real token (fp32, 1e-5) and its cache at every real position are those of the
+    prompt alone."""
     path = request.getfixturevalue(checkpoint)
-    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7], [1, 8, 2, 8, 1]]
-    gen = generator(path, batch=3)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7], [1, 8, 2, 8, 1], list(range(1, 41))]
+    gen = generator(path, batch=4)
     gen.bucketed = bucketed
     gen.prefill(prompts)
-    assert gen.model.layers[0].self_attn.kv_cache.k[0, :, 63].any() == bucketed  # padding written up to 64
+    # 64 tokens ran: the 55 of the prompts, then the first 9 of the padding in the grid's order (row 0's)
+    k = gen.model.layers[0].self_attn.kv_cache.k
+    assert k[0, :, 8 + 8].any() and not k[0, :, 8 + 9].any() and not k[1, :, 2].any()
     batch_caches = [layer.self_attn.kv_cache for layer in gen.model.layers]
     for row, prompt in enumerate(prompts):
         alone = generator(path)
@@ -900,10 +903,42 @@ def test_padded_batch_prefill_equals_each_prompt_alone(checkpoint, bucketed, req
     longest = 64 if bucketed else max(map(len, prompts))
     tokens = torch.tensor([p + [0] * (longest - len(p)) for p in prompts])
     ends = torch.tensor([len(p) for p in prompts])
-    with torch.no_grad():
-        logits = model(tokens, torch.arange(longest).expand(3, -1), None, logits_at=ends[:, None] - 1)[:, 0]
+    with torch.no_grad():  # every token of the grid runs
+        logits = model(tokens, torch.arange(longest).expand(4, -1), None, logits_at=ends[:, None] - 1)[:, 0]
     for row, prompt in enumerate(prompts):
         assert torch.allclose(logits[row], forward(load(path), prompt)[-1], atol=1e-5)
+
+
+@pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe"])
+def test_packed_tokens_equal_the_whole_grid(checkpoint, request):
+    """packed: the projections and MLPs run the prompts' tokens and two of the padding alone, attention on
+    the grid. The logits at each row's last token and at every packed token (fp32, 1e-5) and the cache at
+    every real position equal those of the whole grid; a padding token that didn't run left zeros."""
+    path = request.getfixturevalue(checkpoint)
+    torch.manual_seed(3)
+    lengths = [16, 5, 9]
+    tokens = torch.randint(0, VOCAB, (3, 16))
+    positions = torch.arange(16).expand(3, -1)
+    real = positions < torch.tensor(lengths)[:, None]
+    padding = (~real).flatten().nonzero()[:2, 0]  # row 1's positions 5 and 6
+    packed = torch.cat([real.flatten().nonzero()[:, 0], padding])
+    ends = torch.tensor(lengths)[:, None] - 1
+    with torch.no_grad():
+        grid, packed_model = load(path, slots=3), load(path, slots=3)
+        want = grid(tokens, positions, None)
+        got = packed_model(tokens, positions, None, logits_at=ends, packed=packed)
+        for row in range(3):
+            assert torch.allclose(got[row, 0], want[row, ends[row, 0]], atol=1e-5)
+        for layer, full in zip(packed_model.layers, grid.layers, strict=True):
+            for row, n in enumerate(lengths):
+                for name in ("k", "v"):
+                    cache = getattr(layer.self_attn.kv_cache, name)
+                    expected = getattr(full.self_attn.kv_cache, name)
+                    assert torch.allclose(cache[row, :, :n], expected[row, :, :n], atol=1e-5)
+        assert packed_model.layers[0].self_attn.kv_cache.k[1, :, 6].any()  # padding that ran
+        assert not packed_model.layers[0].self_attn.kv_cache.k[1, :, 7].any()  # and padding that didn't
+        every = load(path, slots=3)(tokens, positions, None, packed=packed)  # no logits_at: (1, N, vocab)
+        assert torch.allclose(every[0, :len(packed) - 2], want.flatten(0, 1)[packed[:-2]], atol=1e-5)
 
 
 @pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe"])
@@ -1404,7 +1439,7 @@ def assert_close(got, want, tol, what):
 def test_kernel_gemv_matches_reference_ops(device, dtype, tol, N, K):
     torch.manual_seed(0)
     x, w, res = torch.randn(1, 1, K), torch.randn(N, K) / K ** 0.5, torch.randn(1, 1, N)
-    norm = M.RMSNorm(K, 1e-6)
+    norm = torch.nn.RMSNorm(K, 1e-6)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
     x, w, res, norm = x.to(device, dtype), w.to(device, dtype), res.to(device, dtype), norm.to(device, dtype)
@@ -1437,7 +1472,7 @@ def test_kernel_gemv_of_picked_experts_matches_reference_ops(device, dtype, tol,
     E, N, K, top_k = 6, 40, 48, 3
     x = torch.randn(1, 1, K, device=device, dtype=dtype)
     logits = torch.randn(E, device=device, dtype=dtype) * 3
-    norm = M.RMSNorm(K, 1e-6).to(device, dtype)
+    norm = torch.nn.RMSNorm(K, 1e-6).to(device, dtype)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
     gate_up = Linear(K, 2 * N, int8=int8, experts=E).to(device)

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import generate as G  # noqa: E402
-from model import Linear, ModelArgs, MoE, RMSNorm, Transformer  # noqa: E402
+from model import Linear, ModelArgs, MoE, Transformer  # noqa: E402
 
 PRESETS = {  # from the published config.json files; head_dim is 128 in all of them
     "0.6B": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
@@ -69,7 +69,7 @@ def random_model(size: str, int8: bool) -> Transformer:
     model = model.to_empty(device="cuda")
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, RMSNorm):
+            if isinstance(module, torch.nn.RMSNorm):
                 module.weight.uniform_(0.5, 1.5)
             elif isinstance(module, torch.nn.Embedding):
                 module.weight.normal_()
