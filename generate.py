@@ -65,17 +65,19 @@ class SamplingParams:
 def sample(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Next ids (R,) from logits (R, V) without a host sync. Greedy at temperature 0; otherwise Gumbel-max:
     argmax(logits/T + g) with g ~ Gumbel(0, 1) is an exact draw from softmax(logits/T). top-k and top-p keep
-    static shapes: the candidates come from topk (a full sort without top-k), the rest masked out."""
+    static shapes: the candidates come from topk (a full sort for top-p alone), the rest masked out."""
     if params.temperature == 0:
         return logits.argmax(-1)
     vocab = logits.shape[-1]
-    scores, ids = logits.float().topk(min(params.top_k or vocab, vocab))  # sorted, largest first
+    scores, ids = logits.float(), None
+    if 0 < params.top_k < vocab or params.top_p < 1:  # sorted, largest first; no sort unless filtered
+        scores, ids = scores.topk(min(params.top_k or vocab, vocab))
     scores = scores / params.temperature
     if params.top_p < 1:  # keep the smallest head whose mass reaches top_p (the first candidate always stays)
         probs = scores.softmax(-1)
         scores = scores.masked_fill(probs.cumsum(-1) - probs >= params.top_p, float("-inf"))
     choice = (scores - torch.log(-torch.log(torch.rand_like(scores)))).argmax(-1)
-    return ids.gather(-1, choice[:, None])[:, 0]
+    return choice if ids is None else ids.gather(-1, choice[:, None])[:, 0]
 
 
 class DecodeState:
@@ -444,14 +446,13 @@ def run(a: argparse.Namespace) -> None:
     checkpoint = load(a.checkpoint, a.device, getattr(torch, a.dtype) if a.dtype else None)
     flags = {name: getattr(a, name) for name in SAMPLING_CHECKS if getattr(a, name) is not None}
     sampling = dataclasses.replace(checkpoint.sampling, **flags)
-    tokenizer = checkpoint.tokenizer
     if a.chat:
-        texts = [tokenizer.chat(text, a.system, thinking=not a.no_think) for text in texts]
-    prompts = [tokenizer.encode(text) for text in texts]
+        texts = [checkpoint.tokenizer.chat(text, a.system, thinking=not a.no_think) for text in texts]
+    prompts = [checkpoint.tokenizer.encode(text) for text in texts]
     capacity = a.cache_len or max(map(len, prompts)) + a.max_new_tokens  # too long: setup_cache says so
     gen = Generator(checkpoint.model, batch=len(prompts), capacity=capacity, sampling=sampling,
                     compile=a.compile, cuda_graph=a.cuda_graph)
-    stream = TextStream(tokenizer.decode, a.prompt)
+    stream = TextStream(checkpoint.tokenizer.decode, a.prompt)
     try:
         rows, stats = gen.generate(prompts, max_new=a.max_new_tokens,
                                    stop_ids=checkpoint.stop_ids | set(a.stop_ids), check_every=a.check_every,

@@ -218,9 +218,8 @@ class ForwardContext:
         token didn't run; those of every token, (R, T, C), as they are."""
         if self.packed is None:
             return x
-        grid = x.new_zeros(*self.positions.shape, x.shape[-1])
-        grid.flatten(0, 1)[self.packed] = x[0]
-        return grid
+        grid = x.new_zeros(self.positions.numel(), x.shape[-1])  # (R x T, C)
+        return grid.index_copy_(0, self.packed, x[0]).unflatten(0, self.positions.shape)
 
 
 class Attention(nn.Module):

@@ -1113,10 +1113,10 @@ def test_cuda_no_host_sync_inside_prefill_and_decode_steps(checkpoint, prompts, 
     gen.generate(prompts, max_new=40, stop_ids=set())  # warm-up: compile and capture
 
     def checked(step):
-        def run(tensor):
+        def run(*args):
             torch.cuda.set_sync_debug_mode("error")
             try:
-                step(tensor)
+                step(*args)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         return run
