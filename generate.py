@@ -123,7 +123,8 @@ def bucket(length: int, capacity: int) -> int:
     """One of the few lengths that the compiled and graphed steps see (one graph each): the next power of two
     from 64 to 2,048, then the next multiple of 256, within the capacity. A decode step attends to that prefix
     of the cache, so that its cost follows the live length, not the capacity; a graphed or compiled prefill
-    pads its prompts to it, and runs the bucket of their total of tokens (see Generator.prefill). Below 2,048 tokens a prefill costs little and doubling keeps the graphs few (six).
+    pads its prompts to it, and runs the bucket of their total of tokens (see Generator.prefill). Below 2,048
+    tokens a prefill costs little and doubling keeps the graphs few (six).
     Above, padding to a multiple of 2,048 would cost real work (8B, 2,049 tokens graphed: 113 ms padded to
     4,096, 63 ms to 2,304), so the step stays 256: a graph for every 256 positions, each captured once, when
     first used (about 16 ms on 0.6B). No prompt is too long for a graph."""
