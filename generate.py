@@ -99,7 +99,8 @@ def prefill_prompts(model: Transformer, state: DecodeState, sampling: SamplingPa
     """The prompts in state.sequences, padded after their ends, into cache rows 0 ... R - 1 at `positions`
     (R, T), 0 ... T - 1 in every row; each row's first token sampled from its last real token, at its length
     in state.positions, into state.tokens and the row's sequence. Device-side only, as decode_one_token.
-    `tokens` of the R x T run: every prompt's, then padding (see Transformer.forward's packed)."""
+    `tokens`: how many of the grid's R x T tokens run, every prompt's and then padding (see
+    Transformer.forward, packed)."""
     rows, length = positions.shape
     packed = None  # every token of the grid runs
     if tokens < positions.numel():  # the prompts' tokens first (True sorts first), then padding
@@ -133,7 +134,7 @@ def bucket(length: int, capacity: int) -> int:
 
 
 class CUDAGraphs:
-    """Calls fn(*tensors) as CUDA graphs, one per shape of the tensors (of an int: its value): the first call
+    """Calls fn(*args) as CUDA graphs, one per shape of the arguments (of an int: its value): the first call
     with a shape runs fn for real on a side stream (the warm-up, where lazy initialisation and Triton's
     compilation happen, outside any capture), then captures it. Capture records kernels without running
     them, so it changes no tensor: the state that the warm-up advanced is the state every later call, a
@@ -145,19 +146,19 @@ class CUDAGraphs:
         self.graphs = {}
         self.pool = torch.cuda.graph_pool_handle()  # one pool of intermediate buffers for every graph
 
-    def __call__(self, *tensors: torch.Tensor | int) -> None:
-        shape = tuple(getattr(t, "shape", t) for t in tensors)  # an int stands for itself
+    def __call__(self, *args: torch.Tensor | int) -> None:
+        shape = tuple(getattr(arg, "shape", arg) for arg in args)  # an int stands for itself
         if shape in self.graphs:
             self.graphs[shape].replay()
             return
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self.fn(*tensors)
+            self.fn(*args)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self.fn(*tensors)
+            self.fn(*args)
         self.graphs[shape] = graph
 
 

@@ -329,6 +329,7 @@ def dequantized(proj: Linear, dtype) -> Tensor:
 class Block(nn.Module):
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
+        # nn.RMSNorm is F.rms_norm: normalised in fp32, as transformers does, in one kernel on CUDA
         self.input_layernorm = nn.RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.self_attn = Attention(args)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, args.rms_norm_eps)
