@@ -1,12 +1,13 @@
-"""Converts a Hugging Face Qwen3 or Qwen3-MoE snapshot into qwen3-fast weights (fused qkv and gate-up, each
-MoE layer's experts stacked; safetensors).
+"""Converts a Hugging Face Qwen3 or Qwen3-MoE snapshot into qwen3-fast weights (fused qkv and gate-up,
+each MoE layer's experts stacked; safetensors).
 
-    python convert_hf_checkpoint.py --checkpoint-dir checkpoints/Qwen/Qwen3-8B          # writes .../converted
-    python convert_hf_checkpoint.py --checkpoint-dir checkpoints/Qwen/Qwen3-8B --int8   # .../converted-int8
+    python convert_hf_checkpoint.py --checkpoint-dir checkpoints/Qwen/Qwen3-8B  # .../converted
+    python convert_hf_checkpoint.py --checkpoint-dir checkpoints/Qwen/Qwen3-8B --int8  # ...-int8
 
-Tensors are read one at a time and written in shards, so memory stays near one shard whatever the model's
-size. The output is written to a hidden directory beside its destination and renamed into place when
-complete; nothing that exists is replaced, and a failure, Ctrl-C, SIGTERM or SIGHUP leaves nothing behind.
+Tensors are read one at a time and written in shards, so memory stays near one shard whatever the
+model's size. The output is written to a hidden directory beside its destination and renamed into
+place when complete; nothing that exists is replaced, and a failure, Ctrl-C, SIGTERM or SIGHUP leaves
+nothing behind.
 """
 import contextlib
 import dataclasses
@@ -24,69 +25,113 @@ from safetensors.torch import save_file
 from generate import POSITIVE, ArgumentParser
 from model import ModelArgs, Transformer, UserError, quantize_int8, read_json
 
+# Our fused tensors, and the Hugging Face tensors they concatenate
 FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
-COPIED = ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"]
+COPIED = ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+          "generation_config.json"]
 
 
 def hf_names(name: str, experts: int) -> list[str]:
-    """The Hugging Face tensors that make our tensor `name`, in the order they are concatenated: q, k, v;
-    gate, up; and with `experts` (a MoE layer's stacked tensors), every expert's in turn."""
+    """The Hugging Face tensors that make our tensor `name`, in the order they are concatenated: q,
+    k, v; gate, up; and with `experts` (a MoE layer's stacked tensors), every expert's in turn."""
     if name == "lm_head.weight":
         return [name]
-    *module, projection, leaf = f"model.{name}".split(".")
-    owner = ".".join(module)
-    owners = [f"{owner}.experts.{e}" for e in range(experts)] if experts else [owner]
-    return [f"{owner}.{part}.{leaf}" for owner in owners for part in FUSED.get(projection, [projection])]
+    # "layers.0.self_attn.qkv_proj.weight" -> "model.layers.0.self_attn", "qkv_proj", "weight"
+    module, projection, leaf = f"model.{name}".rsplit(".", 2)
+    owners = [module]
+    if experts:
+        owners = [f"{module}.experts.{expert}" for expert in range(experts)]
+    parts = FUSED.get(projection, [projection])
+    return [f"{owner}.{part}.{leaf}" for owner in owners for part in parts]
 
 
 def read_tensor(file: str, name: str) -> torch.Tensor:
     try:
-        with safe_open(file, "pt") as f:  # opened per tensor: only this tensor's pages are ever mapped
-            return f.get_tensor(name)
+        # Opened per tensor: only this tensor's pages are ever mapped
+        with safe_open(file, "pt") as tensors:
+            return tensors.get_tensor(name)
     except Exception as e:  # safetensors' own error type
-        raise UserError(f"{file}: cannot read tensor {name} ({e}); the file is truncated or corrupt, "
-                        "download it again") from None
+        raise UserError(f"{file}: cannot read tensor {name} ({e}); the file is truncated or "
+                        "corrupt, download it again") from None
 
 
 def list_tensors(src: pathlib.Path) -> dict[str, str]:
     """Every tensor name of the snapshot -> the file that holds it."""
     files = sorted(src.glob("*.safetensors"))
     if not files:
-        raise UserError(f"{src}: no *.safetensors weights found (safetensors only: .bin/.pt are not read)")
+        raise UserError(f"{src}: no *.safetensors weights found "
+                        "(safetensors only: .bin/.pt are not read)")
     tensors = {}
     for file in files:
         try:
-            with safe_open(file, "pt") as f:
-                tensors.update((name, str(file)) for name in f.keys())
+            with safe_open(file, "pt") as opened:
+                tensors.update((name, str(file)) for name in opened.keys())
         except Exception as e:
-            raise UserError(f"{file}: not a readable safetensors file ({e}); download it again") from None
+            raise UserError(f"{file}: not a readable safetensors file ({e}); "
+                            "download it again") from None
     return tensors
+
+
+def snapshot_args(src: pathlib.Path, int8: bool) -> ModelArgs:
+    """The model of a Hugging Face snapshot, refused where it isn't one we convert."""
+    if not (src / "config.json").is_file():
+        raise UserError(f"{src}: no config.json; point --checkpoint-dir at a Hugging Face "
+                        "Qwen3 snapshot")
+    if not (src / "tokenizer.json").is_file():
+        raise UserError(f"{src}: no tokenizer.json, which generate.py needs; "
+                        "download the whole snapshot")
+    cfg = read_json(src / "config.json")
+    if "quantization_config" in cfg:
+        raise UserError(f"{src}: quantized Hugging Face checkpoints are not supported; "
+                        "use the bf16 one")
+    if "quantization" in cfg:
+        raise UserError(f"{src}: already converted; "
+                        "convert the Hugging Face snapshot it came from")
+    args = ModelArgs.from_config(cfg)
+    if int8:
+        args.quantization = "int8"
+    return args
+
+
+def joined(src: pathlib.Path, name: str, parts: list[str], files: dict, meta) -> torch.Tensor:
+    """Our tensor `name`, of meta's shape, from its Hugging Face parts."""
+    missing = [hf for hf in parts if hf not in files]
+    if missing:
+        raise UserError(f"{src}: the checkpoint lacks {missing[0]}")
+    tensors = [read_tensor(files[hf], hf) for hf in parts]
+    if meta.dim() == 3:  # stacked experts: every part has one shape, so name the one that differs
+        rows = meta.numel() // meta.shape[-1] // len(parts)
+        part_shape = (rows, meta.shape[-1])
+        wrong = [hf for hf, t in zip(parts, tensors, strict=True) if t.shape != part_shape]
+        if wrong:
+            raise UserError(f"{files[wrong[0]]}: {wrong[0]} does not have the shape "
+                            f"{part_shape} that config.json implies")
+    weight = torch.cat(tensors)  # experts: (experts x rows, columns)
+    if weight.numel() != meta.numel() or weight.shape[-1] != meta.shape[-1]:
+        raise UserError(f"{src}: {name} has shape {tuple(weight.shape)}; config.json implies "
+                        f"{tuple(meta.shape)}")
+    return weight.view(meta.shape)
 
 
 def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) -> None:
     src = pathlib.Path(src)
     out = pathlib.Path(os.path.abspath(out))  # "." has no name to put beside it
-    if not (src / "config.json").is_file():
-        raise UserError(f"{src}: no config.json; point --checkpoint-dir at a Hugging Face Qwen3 snapshot")
-    if not (src / "tokenizer.json").is_file():
-        raise UserError(f"{src}: no tokenizer.json, which generate.py needs; download the whole snapshot")
-    cfg = read_json(src / "config.json")
-    if "quantization_config" in cfg:
-        raise UserError(f"{src}: quantized Hugging Face checkpoints are not supported; use the bf16 one")
-    if "quantization" in cfg:
-        raise UserError(f"{src}: already converted; convert the Hugging Face snapshot it came from")
-    args = ModelArgs.from_config(cfg)
-    args.quantization = "int8" if int8 else None  # a snapshot's config.json has none: it was refused above
+    args = snapshot_args(src, int8)
     if out.exists():  # the source, ".", an old conversion, an empty directory...
         raise UserError(f"--output {out} exists: choose a new path (nothing is replaced)")
     with torch.device("meta"):
         expected = Transformer(args).checkpoint_tensors()
-    sources = {name: hf_names(name, meta.shape[0] if meta.dim() == 3 else 0)
-               for name, meta in expected.items() if not name.endswith(".scale")}  # scales: from the weights
+    sources = {}  # our tensor -> its Hugging Face parts; int8 scales come from the weights
+    for name, meta in expected.items():
+        if not name.endswith(".scale"):
+            experts = meta.shape[0] if meta.dim() == 3 else 0
+            sources[name] = hf_names(name, experts)
     files = list_tensors(src)
-    unknown = files.keys() - {hf for names in sources.values() for hf in names} - {"lm_head.weight"}
+    placed = {hf for parts in sources.values() for hf in parts} | {"lm_head.weight"}
+    unknown = files.keys() - placed
     if unknown:
-        raise UserError(f"{files[min(unknown)]}: tensor {min(unknown)} has no place in a Qwen3 model")
+        first = min(unknown)
+        raise UserError(f"{files[first]}: tensor {first} has no place in a Qwen3 model")
     tmp = out.with_name(f".converting-{out.name}-{os.getpid()}")  # beside it, hidden
     made = [p for p in out.parents if not p.exists()]  # the directories we create, deepest first
     try:
@@ -94,27 +139,13 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
         tmp.mkdir()
         shard = {}
         for i, (name, parts) in enumerate(sources.items()):
-            missing = [hf for hf in parts if hf not in files]
-            if missing:
-                raise UserError(f"{src}: the checkpoint lacks {missing[0]}")
-            tensors = [read_tensor(files[hf], hf) for hf in parts]
-            meta = expected[name]
-            if meta.dim() == 3:  # stacked experts: every part has one shape, so name the one that differs
-                part_shape = (meta.numel() // meta.shape[-1] // len(parts), meta.shape[-1])
-                wrong = [hf for hf, t in zip(parts, tensors, strict=True) if t.shape != part_shape]
-                if wrong:
-                    raise UserError(f"{files[wrong[0]]}: {wrong[0]} does not have the shape {part_shape} "
-                                    "that config.json implies")
-            w = torch.cat(tensors)  # experts: (experts x rows, columns)
-            if w.numel() != meta.numel() or w.shape[-1] != meta.shape[-1]:
-                raise UserError(f"{src}: {name} has shape {tuple(w.shape)}; config.json implies "
-                                f"{tuple(meta.shape)}")
-            w = w.view(meta.shape)
+            weight = joined(src, name, parts, files, expected[name])
             scale_name = name.removesuffix(".weight") + ".scale"
             if scale_name in expected:
-                w, shard[scale_name] = quantize_int8(w)
-            shard[name] = w.contiguous()
-            if sum(t.nbytes for t in shard.values()) >= shard_bytes or i == len(sources) - 1:  # full, or last
+                weight, shard[scale_name] = quantize_int8(weight)
+            shard[name] = weight.contiguous()
+            full = sum(t.nbytes for t in shard.values()) >= shard_bytes
+            if full or i == len(sources) - 1:
                 # Named by the index of its last tensor: in order, as the loader reads them
                 save_file(shard, tmp / f"model-{i:05d}.safetensors")
                 shard = {}
@@ -132,21 +163,27 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
 
 
 def main(argv=None):
-    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--checkpoint-dir", required=True,
-                    help="a Hugging Face Qwen3 snapshot (config.json + *.safetensors)")
-    ap.add_argument("--output", help="where to write (default: CHECKPOINT_DIR/converted, or converted-int8)")
-    ap.add_argument("--int8", action="store_true", help="int8 weight-only (the blocks, an untied lm_head)")
-    ap.add_argument("--shard-size-mb", type=POSITIVE, default=2048, help="size of each output file")
-    # SIGTERM and SIGHUP (`timeout`, a closed terminal, a job scheduler) stop it as Ctrl-C does, through the
-    # clean-up of convert
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint-dir", required=True,
+                        help="a Hugging Face Qwen3 snapshot (config.json + *.safetensors)")
+    parser.add_argument("--output",
+                        help="where to write (default: CHECKPOINT_DIR/converted, or converted-int8)")
+    parser.add_argument("--int8", action="store_true",
+                        help="int8 weight-only (the blocks, an untied lm_head)")
+    parser.add_argument("--shard-size-mb", type=POSITIVE, default=2048,
+                        help="size of each output file")
+    # SIGTERM and SIGHUP (`timeout`, a closed terminal, a job scheduler) stop it as Ctrl-C does,
+    # through the clean-up of convert
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     signal.signal(signal.SIGHUP, signal.default_int_handler)
     try:
-        a = ap.parse_args(argv)
-        out = a.output or os.path.join(a.checkpoint_dir, "converted-int8" if a.int8 else "converted")
-        convert(a.checkpoint_dir, out, a.int8, a.shard_size_mb << 20)
-    except (UserError, OSError, SafetensorError) as e:  # a full disk: either error; the output is gone
+        args = parser.parse_args(argv)
+        out = args.output
+        if out is None:
+            name = "converted-int8" if args.int8 else "converted"
+            out = os.path.join(args.checkpoint_dir, name)
+        convert(args.checkpoint_dir, out, args.int8, args.shard_size_mb << 20)
+    except (UserError, OSError, SafetensorError) as e:  # a full disk: either; the output is gone
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
         print("interrupted: nothing was written", file=sys.stderr)

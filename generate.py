@@ -1,8 +1,9 @@
-"""Generates text with Qwen3, fast: a decode step that never syncs with the host, compiled or graphed.
+"""Generates text with Qwen3, fast: a decode step that never syncs with the host, compiled or
+graphed.
 
-    python generate.py --compile --prompt "Hello, my name is"  # the converted checkpoints/Qwen/Qwen3-0.6B
+    python generate.py --compile --prompt "Hello, my name is"  # checkpoints/Qwen/Qwen3-0.6B
     python generate.py --cuda-graph --prompt "Hello, my name is"  # our CUDA graphs: a fast start
-    python generate.py --compile --chat --no-think --prompt "Why is the sky blue?" --prompt "Hi!"  # a batch
+    python generate.py --compile --chat --no-think --prompt "Why is the sky blue?" --prompt "Hi!"
 """
 import argparse
 import dataclasses
@@ -18,7 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-from model import Transformer, UserError, kernels, read_json
+from model import Transformer, UserError, read_json
+
+try:  # the optional Triton fast path: without it, or without Triton, PyTorch's ops run everywhere
+    import qwen3_triton
+except ImportError:
+    qwen3_triton = None
 
 
 def checked(kind, requirement: str, valid):
@@ -33,10 +39,11 @@ def checked(kind, requirement: str, valid):
 
 
 POSITIVE = checked(int, "at least 1", lambda v: v >= 1)
-# Each sampling setting's check, the same for a flag and for generation_config.json. Below 0.001, logits /
-# temperature overflows fp32 (and would be greedy anyway): 0 is greedy.
+# Each sampling setting's check, the same for a flag and for generation_config.json. Below 0.001,
+# logits / temperature overflows fp32 (and would be greedy anyway): 0 is greedy.
 SAMPLING_CHECKS = {
-    "temperature": checked(float, "0 (greedy) or at least 0.001", lambda v: v == 0 or 1e-3 <= v < math.inf),
+    "temperature": checked(float, "0 (greedy) or at least 0.001",
+                           lambda v: v == 0 or 1e-3 <= v < math.inf),
     "top_k": checked(int, ">= 0", lambda v: v >= 0),
     "top_p": checked(float, "in (0, 1]", lambda v: 0 < v <= 1),
 }
@@ -50,7 +57,8 @@ class SamplingParams:
 
     @classmethod
     def from_generation_config(cls, generation_config: dict) -> "SamplingParams":
-        """A checkpoint's defaults: its generation_config.json's settings where it samples, else greedy."""
+        """A checkpoint's defaults: its generation_config.json's settings where it samples, else
+        greedy."""
         params = cls()
         for name, check in SAMPLING_CHECKS.items():
             value = generation_config.get(name)
@@ -63,88 +71,110 @@ class SamplingParams:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Next ids (R,) from logits (R, V) without a host sync. Greedy at temperature 0; otherwise Gumbel-max:
-    argmax(logits/T + g) with g ~ Gumbel(0, 1) is an exact draw from softmax(logits/T). top-k and top-p keep
-    static shapes: the candidates come from topk (a full sort for top-p alone), the rest masked out."""
+    """Next ids (R,) from logits (R, V), without a host sync. Greedy at temperature 0; otherwise
+    Gumbel-max: argmax(logits / T + g), with g ~ Gumbel(0, 1), is an exact draw from softmax(logits
+    / T). top-k and top-p keep static shapes: the candidates come from topk (a full sort for top-p
+    alone), the rest are masked out."""
     if params.temperature == 0:
         return logits.argmax(-1)
-    vocab = logits.shape[-1]
-    scores, ids = logits.float(), None
-    if 0 < params.top_k < vocab or params.top_p < 1:  # sorted, largest first; no sort unless filtered
-        scores, ids = scores.topk(min(params.top_k or vocab, vocab))
+    scores = logits.float()
+    vocab = scores.shape[-1]
+    filtered = 0 < params.top_k < vocab or params.top_p < 1
+    if filtered:  # the candidates, largest first: no sort unless a filter needs one
+        scores, candidates = scores.topk(min(params.top_k or vocab, vocab))
     scores = scores / params.temperature
-    if params.top_p < 1:  # keep the smallest head whose mass reaches top_p (the first candidate always stays)
+    if params.top_p < 1:  # the smallest head whose mass reaches top_p (the first always stays)
         probs = scores.softmax(-1)
-        scores = scores.masked_fill(probs.cumsum(-1) - probs >= params.top_p, float("-inf"))
-    choice = (scores - torch.log(-torch.log(torch.rand_like(scores)))).argmax(-1)
-    return choice if ids is None else ids.gather(-1, choice[:, None])[:, 0]
+        ahead = probs.cumsum(-1) - probs  # the mass of the candidates before each
+        scores = scores.masked_fill(ahead >= params.top_p, float("-inf"))
+    noise = torch.rand_like(scores)
+    choice = (scores - torch.log(-torch.log(noise))).argmax(-1)
+    if not filtered:
+        return choice
+    return candidates.gather(-1, choice[:, None])[:, 0]
+
+
+def sampler(params: SamplingParams, use_kernels: bool):
+    """The draw of next ids (R,) from logits (R, V): the fast path's kernel where it takes the
+    filter (a top-k of at most qwen3_triton.MAX_TOP_K, the same tokens from the same noise), else
+    sample."""
+    if use_kernels and params.temperature > 0 and 0 < params.top_k <= qwen3_triton.MAX_TOP_K:
+        return functools.partial(qwen3_triton.sample_top_k, temperature=params.temperature,
+                                 top_k=params.top_k, top_p=params.top_p)
+    return functools.partial(sample, params=params)
 
 
 class DecodeState:
-    """Every tensor a prefill or decode step reads or writes besides the model's: fixed addresses, updated in
-    place."""
+    """Every tensor a prefill or decode step reads or writes besides the model's: fixed addresses,
+    updated in place."""
 
     def __init__(self, batch: int, capacity: int, device):
-        # Each row's tokens at their positions, as in the cache: its prompt (padded after its end for a
-        # prefill), then each token generated, written at its position over the padding.
+        # Each row's tokens at their positions, as in the cache: its prompt (padded after its end
+        # for a prefill), then each token generated, written at its position over the padding.
         self.sequences = torch.zeros(batch, capacity, dtype=torch.long, device=device)
-        self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)  # the token each row feeds next
-        self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)  # and its position
-        for t in vars(self).values():  # cudagraph trees: inputs, not copies
-            torch._dynamo.mark_static_address(t)
+        # The token each row feeds next, and its position
+        self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        for tensor in vars(self).values():  # cudagraph trees: inputs, not copies
+            torch._dynamo.mark_static_address(tensor)
 
 
-def prefill_prompts(model: Transformer, state: DecodeState, sampling: SamplingParams, use_kernels: bool,
-                    positions: torch.Tensor, tokens: int) -> None:
-    """The prompts in state.sequences, padded after their ends, into cache rows 0 ... R - 1 at `positions`
-    (R, T), 0 ... T - 1 in every row; each row's first token sampled from its last real token, at its length
-    in state.positions, into state.tokens and the row's sequence. Device-side only, as decode_one_token.
-    `tokens`: how many of the grid's R x T tokens run, every prompt's and then padding (see
-    Transformer.forward, packed)."""
+def prefill_prompts(model: Transformer, draw, state: DecodeState, positions: torch.Tensor,
+                    running: int) -> None:
+    """The prompts in state.sequences, padded after their ends, into cache rows 0 ... R - 1 at
+    `positions` (R, T), 0 ... T - 1 in every row; each row's first token drawn from the logits at
+    its last prompt token (its length, in state.positions) into state.tokens and the row's sequence.
+    Device-side only, as decode_one_token. `running`: how many of the grid's R x T tokens run, every
+    prompt's first, then padding (see Transformer.forward, packed)."""
     rows, length = positions.shape
     packed = None  # every token of the grid runs
-    if tokens < positions.numel():  # the prompts' tokens first (True sorts first), then padding
-        packed = (positions < state.positions[:rows]).flatten().argsort(descending=True, stable=True)[:tokens]
-    logits = model(state.sequences[:rows, :length], positions, None, rows=slice(0, rows),
-                   logits_at=state.positions[:rows] - 1, packed=packed, use_kernels=use_kernels)
-    state.tokens[:rows, 0] = sample(logits[:, -1], sampling)
+    if running < positions.numel():
+        is_prompt = positions < state.positions[:rows]  # (R, T)
+        # A stable sort puts the prompts' tokens first (True first), each row's in order
+        order = is_prompt.flatten().argsort(descending=True, stable=True)
+        packed = order[:running]
+    last = state.positions[:rows] - 1  # (R, 1)
+    logits = model(state.sequences[:rows, :length], positions, logits_at=last, packed=packed)
+    state.tokens[:rows, 0] = draw(logits[:, -1])
     state.sequences.scatter_(1, state.positions, state.tokens)
 
 
-def decode_one_token(model: Transformer, state: DecodeState, sampling: SamplingParams, use_kernels: bool,
-                     kv_positions: torch.Tensor) -> None:
-    """One step for every row, device-side only: the eager, compiled and graphed modes all run this."""
-    logits = model(state.tokens, state.positions, kv_positions, use_kernels=use_kernels)
-    state.tokens.copy_(sample(logits[:, -1], sampling)[:, None])
+def decode_one_token(forward, draw, state: DecodeState, kv_positions: torch.Tensor) -> None:
+    """One step for every row, device-side only: the eager, compiled and graphed modes all run this.
+    forward: the model, or the fast path's one-token forward; draw: logits (R, V) -> ids (R,)."""
+    logits = forward(state.tokens, state.positions, kv_positions)
+    state.tokens.copy_(draw(logits[:, -1])[:, None])
     state.positions.add_(1)
     state.sequences.scatter_(1, state.positions, state.tokens)
 
 
 def bucket(length: int, capacity: int) -> int:
-    """One of the few lengths that the compiled and graphed steps see (one graph each): the next power of two
-    from 64 to 2,048, then the next multiple of 256, within the capacity. A decode step attends to that prefix
-    of the cache, so that its cost follows the live length, not the capacity; a graphed or compiled prefill
-    pads its prompts to it, and runs the bucket of their total of tokens (see Generator.prefill). Below 2,048
-    tokens a prefill costs little and doubling keeps the graphs few (six).
-    Above, padding to a multiple of 2,048 would cost real work (8B, 2,049 tokens graphed: 113 ms padded to
-    4,096, 63 ms to 2,304), so the step stays 256: a graph for every 256 positions, each captured once, when
-    first used (about 16 ms on 0.6B). No prompt is too long for a graph."""
-    step = 256 if length > 2048 else max(64, 1 << (length - 1).bit_length())
-    return min(capacity, -(-length // step) * step)
+    """One of the few lengths that the compiled and graphed steps see (a graph each): the next power
+    of two from 64 to 2,048, then the next multiple of 256, within the capacity. A decode step
+    attends to that prefix of the cache, so its cost follows the live length, not the capacity; a
+    bucketed prefill pads its prompts to it, and runs the bucket of their total of tokens. Below
+    2,048 tokens doubling keeps the graphs few; above, a step of 256 keeps the padding's work small
+    (see bench/RESULTS.md), at a graph per 256 positions, each captured when first used."""
+    if length > 2048:
+        step = 256
+    else:
+        step = max(64, 1 << (length - 1).bit_length())  # the next power of two
+    return min(capacity, math.ceil(length / step) * step)
 
 
 class CUDAGraphs:
-    """Calls fn(*args) as CUDA graphs, one per shape of the arguments (of an int: its value): the first call
-    with a shape runs fn for real on a side stream (the warm-up, where lazy initialisation and Triton's
-    compilation happen, outside any capture), then captures it. Capture records kernels without running
-    them, so it changes no tensor: the state that the warm-up advanced is the state every later call, a
-    replay, starts from. fn must read and write static tensors only (DecodeState, the caches), as
-    prefill_prompts and decode_one_token do."""
+    """Calls fn(*args) as CUDA graphs, one per shape of the arguments (of an int: its value). The
+    first call with a shape runs fn for real on a side stream (the warm-up, where lazy
+    initialisation and Triton's compilation happen, outside any capture), then captures it. Capture
+    records kernels without running them, so it changes no tensor: the state the warm-up advanced is
+    the one every later call, a replay, starts from. fn must read and write static tensors only
+    (DecodeState, the caches), as prefill_prompts and decode_one_token do."""
 
     def __init__(self, fn):
         self.fn = fn
         self.graphs = {}
-        self.pool = torch.cuda.graph_pool_handle()  # one pool of intermediate buffers for every graph
+        # One pool of intermediate buffers for every graph
+        self.pool = torch.cuda.graph_pool_handle()
 
     def __call__(self, *args: torch.Tensor | int) -> None:
         shape = tuple(getattr(arg, "shape", arg) for arg in args)  # an int stands for itself
@@ -170,78 +200,101 @@ class GenerationStats:
     decode_steps: int  # the steps timed in decode_s (each gives every row a token)
 
 
+def stop_index(tokens: list[int], stop_ids: set) -> int | None:
+    """Where the first stop token is in `tokens`, or None."""
+    for i, token in enumerate(tokens):
+        if token in stop_ids:
+            return i
+    return None
+
+
 class Generator:
-    """Prefill and the decode loop for up to `batch` prompts at once, in a cache of `capacity` positions.
-    use_kernels: whether the Triton kernels run where they apply (one token of one row); by default, wherever
-    they can (CUDA, with kernels.py and Triton). The prefill and decode steps run eagerly; or with compile,
-    under torch.compile (reduce-overhead: inductor's code in its CUDA graphs); or with cuda_graph, as our
-    CUDA graphs (with compile too: inductor's code without its graphs, in ours)."""
+    """Prefill and the decode loop for up to `batch` prompts at once, in a cache of `capacity`
+    positions. use_kernels: whether the Triton fast path runs (the one-token forward at batch 1, the
+    top-k draw); by default, wherever it can (CUDA, with qwen3_triton.py and Triton). The prefill
+    and decode steps run eagerly; or with compile, under torch.compile (reduce-overhead: inductor's
+    code in its CUDA graphs); or with cuda_graph, as our CUDA graphs."""
 
     def __init__(self, model: Transformer, *, batch: int, capacity: int, sampling: SamplingParams,
                  use_kernels: bool | None = None, compile: bool = False, cuda_graph: bool = False):
         device = model.norm.weight.device
+        if compile and cuda_graph:
+            raise UserError("compile and cuda_graph are two ways to run the steps: choose one")
         if cuda_graph and device.type != "cuda":
-            raise UserError("--cuda-graph needs a CUDA device: use --device cuda, or leave it out")
+            raise UserError("cuda_graph needs the model on a CUDA device")
         if use_kernels is None:  # wherever they can run
-            use_kernels = kernels is not None and device.type == "cuda"
+            use_kernels = qwen3_triton is not None and device.type == "cuda"
+        if use_kernels and qwen3_triton is None:
+            raise UserError("use_kernels needs qwen3_triton.py and Triton")
         model.setup_cache(batch, capacity)
         self.model = model
         self.batch = batch
         self.capacity = capacity
         self.state = DecodeState(batch, capacity, device)
-        self.bucketed = compile or cuda_graph  # prompts padded to a few lengths, one graph each
+        self.bucketed = compile or cuda_graph  # prompts padded to a few lengths, a graph each
         if compile:
-            # Inductor's own random numbers differ from eager's: this makes it call eager's, so that one seed
-            # gives one stream of noise in every mode (a process-wide setting; torch has no narrower one).
+            # Inductor's own random numbers differ from eager's: this makes it call eager's, so that
+            # one seed gives one stream of noise in every mode (process-wide; torch has no narrower
+            # one).
             torch._inductor.config.fallback_random = True
-
-        def accelerated(step):  # compiled and/or captured as CUDA graphs, inductor's or ours: one a shape
-            if compile:
-                step = torch.compile(step, mode=None if cuda_graph else "reduce-overhead", fullgraph=True)
-            if cuda_graph:
-                step = CUDAGraphs(step)
-            return step
-        self.step = accelerated(functools.partial(decode_one_token, model, self.state, sampling, use_kernels))
-        self.prefill_step = accelerated(functools.partial(prefill_prompts, model, self.state, sampling,
-                                                          use_kernels))
+        forward = model
+        if use_kernels and batch == 1:  # the fast path's products take one token
+            forward = functools.partial(qwen3_triton.forward_one_token, model)
+        draw = sampler(sampling, use_kernels)
+        decode = functools.partial(decode_one_token, forward, draw, self.state)
+        prefill = functools.partial(prefill_prompts, model, draw, self.state)
+        if compile:
+            decode = torch.compile(decode, mode="reduce-overhead", fullgraph=True)
+            prefill = torch.compile(prefill, mode="reduce-overhead", fullgraph=True)
+        if cuda_graph:
+            decode = CUDAGraphs(decode)
+            prefill = CUDAGraphs(prefill)
+        self.step = decode
+        self.prefill_step = prefill
 
     def decode_step(self, needed: int) -> None:
-        """One step for every row; the rows' positions so far fit in the first `needed` of the cache."""
+        """One step for every row; the rows' positions so far fit in the first `needed` of the
+        cache."""
         kv_positions = self.model.key_positions[:bucket(needed, self.capacity)]
-        torch._dynamo.maybe_mark_dynamic(kv_positions, 0)  # compile once for every attended length
+        torch._dynamo.maybe_mark_dynamic(kv_positions, 0)  # compiled once for every attended length
         self.step(kv_positions)
 
     def prefill(self, prompts: list[list[int]]) -> None:
-        """Every prompt into its cache row in one forward, padded to the longest (to its bucket when compiled
-        or graphed); each row's first token sampled from its last real token into the state. The padding sits
-        at positions after each prompt's end, where the causal rule hides it from every real query, and each
-        decode step writes its own key and value over it before any query can read that position. Of several
-        prompts, their tokens alone run (and padding up to a bucket of their total): the projections and
-        MLPs skip the rest of the padding (8 prompts of 100 to 500 tokens: 2,560 tokens of a 4,096 grid)."""
+        """Every prompt into its cache row in one forward, padded to the longest (to its bucket when
+        compiled or graphed); each row's first token drawn from its last prompt token into the
+        state. The padding lies after each prompt's end, where the causal rule hides it from every
+        real query, and each decode step writes its own key and value over it before any query can
+        read that position. Of several prompts, their tokens alone run (and padding up to a bucket
+        of their total): the products and MLPs skip the rest of the padding."""
         state = self.state
+        count = len(prompts)
         length = max(map(len, prompts))
         if self.bucketed:
             length = bucket(length, self.capacity)
-        state.sequences[:len(prompts), :length] = torch.tensor([p + [0] * (length - len(p)) for p in prompts])
+        padded = [prompt + [0] * (length - len(prompt)) for prompt in prompts]
+        state.sequences[:count, :length] = torch.tensor(padded)
         state.positions.zero_()
-        state.positions[:len(prompts), 0] = torch.tensor([len(p) for p in prompts])
-        tokens = bucket(sum(map(len, prompts)), len(prompts) * length)  # the padding beyond never runs
-        self.prefill_step(self.model.key_positions[:length].expand(len(prompts), -1), tokens)
+        state.positions[:count, 0] = torch.tensor([len(prompt) for prompt in prompts])
+        running = bucket(sum(map(len, prompts)), count * length)  # the padding beyond never runs
+        positions = self.model.key_positions[:length].expand(count, -1)
+        self.prefill_step(positions, running)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], *, max_new: int, stop_ids: set, check_every: int = 16,
-                 on_tokens=None) -> tuple[list[list[int]], GenerationStats]:
-        """Each prompt in its own cache row at its own length until every row has produced a stop token or
-        max_new tokens. Returns each row's new tokens, cut before its first stop token, and timings.
-        on_tokens(rows) gets the tokens so far at each check. Sampling draws from torch's random generator:
-        torch.manual_seed makes the tokens reproducible, the same in every mode."""
+    def generate(self, prompts: list[list[int]], *, max_new: int, stop_ids: set,
+                 check_every: int = 16, on_tokens=None) -> tuple[list[list[int]], GenerationStats]:
+        """Each prompt in its own cache row at its own length until every row has produced a stop
+        token or max_new tokens. Returns each row's new tokens, cut before its first stop token, and
+        timings. on_tokens(rows) gets the tokens so far at each check. Sampling draws from torch's
+        random generator: torch.manual_seed makes the tokens reproducible, the same in every
+        mode."""
         if not 1 <= len(prompts) <= self.batch or not all(prompts):
             raise UserError(f"give 1 to {self.batch} prompts, none empty (got {len(prompts)})")
         longest = max(map(len, prompts))
         if longest + max_new > self.capacity:
-            raise UserError(f"prompt ({longest} tokens) + max new tokens ({max_new}) is over the cache "
-                            f"length {self.capacity}: raise --cache-len or lower --max-new-tokens")
-        shortest = min(map(len, prompts))  # the checks read the sequences from there on, not the prompts
+            raise UserError(f"prompt ({longest} tokens) + max new tokens ({max_new}) is over the "
+                            f"cache length {self.capacity}: raise --cache-len or lower "
+                            "--max-new-tokens")
+        shortest = min(map(len, prompts))  # the checks read the sequences from there on
         state = self.state
         sync = torch.cuda.synchronize if state.tokens.is_cuda else (lambda: None)
         t0 = time.perf_counter()
@@ -249,36 +302,46 @@ class Generator:
         sync()
         t1 = time.perf_counter()
         produced = 1  # tokens per row so far
-        if max_new > 1:  # the first decode step, timed alone: compilation and graph capture happen here
+        if max_new > 1:  # the first decode step, timed alone: compilation and capture happen here
             self.decode_step(longest + produced)
             produced += 1
         sync()
         t2 = time.perf_counter()
         while True:
-            tails = state.sequences[:len(prompts), shortest:longest + produced].tolist()  # one sync per check
-            rows = [t[len(p) - shortest:][:produced] for t, p in zip(tails, prompts, strict=True)]
-            stopped = [next((i for i, t in enumerate(r) if t in stop_ids), None) for r in rows]
+            # One sync a check: every row's tokens from the shortest prompt's end on
+            tails = state.sequences[:len(prompts), shortest:longest + produced].tolist()
+            rows = []
+            for tail, prompt in zip(tails, prompts, strict=True):
+                start = len(prompt) - shortest
+                rows.append(tail[start:start + produced])
+            ends = [stop_index(row, stop_ids) for row in rows]
+            done = [row[:end] for row, end in zip(rows, ends, strict=True)]
             if on_tokens:
-                on_tokens([r[:s] for r, s in zip(rows, stopped, strict=True)])
-            if produced == max_new or all(s is not None for s in stopped):
+                on_tokens(done)
+            if produced == max_new or None not in ends:
                 break
             for _ in range(min(check_every, max_new - produced)):
                 self.decode_step(longest + produced)
                 produced += 1
-        stats = GenerationStats(prefill_s=t1 - t0, first_step_s=t2 - t1, decode_s=time.perf_counter() - t2,
+        stats = GenerationStats(prefill_s=t1 - t0, first_step_s=t2 - t1,
+                                decode_s=time.perf_counter() - t2,
                                 decode_steps=max(produced - 2, 0))
-        return [r[:s] for r, s in zip(rows, stopped, strict=True)], stats
+        return done, stats
 
 
 # Qwen3's ChatML, for a checkpoint that ships no chat template of its own.
-CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n"
-          "{% if enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+CHATML = (
+    "{% for m in messages %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}")
 
 
 class Tokenizer:
-    """The checkpoint's tokenizer.json (Qwen3 adds no BOS) and its chat template: chat_template.jinja, or
-    tokenizer_config.json's chat_template, else Qwen3's ChatML."""
+    """The checkpoint's tokenizer.json (Qwen3 adds no BOS) and its chat template:
+    chat_template.jinja, or tokenizer_config.json's chat_template, else Qwen3's ChatML."""
 
     def __init__(self, path: str):
         import tokenizers
@@ -286,7 +349,8 @@ class Tokenizer:
         try:
             self.tokenizer = tokenizers.Tokenizer.from_file(str(file))
         except Exception as e:  # the tokenizers library's own error type
-            raise UserError(f"{file}: no readable tokenizer ({e}); copy it from the snapshot") from None
+            raise UserError(f"{file}: no readable tokenizer ({e}); "
+                            "copy it from the snapshot") from None
         config_file = pathlib.Path(path, "tokenizer_config.json")
         config = read_json(config_file) if config_file.is_file() else {}
         self.chat_template = config.get("chat_template") or CHATML
@@ -297,24 +361,28 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         try:
             return self.tokenizer.encode(text, add_special_tokens=False).ids
-        except TypeError:  # what tokenizers raises for a str that can't be UTF-8 (from non-UTF-8 argv)
+        except TypeError:  # tokenizers' error for a str that can't be UTF-8 (non-UTF-8 argv)
             raise UserError(f"{text!r} is not valid UTF-8 text") from None
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def chat(self, user: str, system: str | None = None, thinking: bool = True) -> str:
-        """One user turn rendered with the chat template, opening the assistant's reply, as transformers'
-        apply_chat_template(add_generation_prompt=True) renders it; thinking=False: enable_thinking=False."""
+        """One user turn rendered with the chat template, opening the assistant's reply, as
+        transformers' apply_chat_template(add_generation_prompt=True) renders it; thinking=False:
+        enable_thinking=False."""
         import jinja2.sandbox
-        messages = [{"role": "system", "content": system}] if system else []
+        messages = []
+        if system:
+            messages.append({"role": "system", "content": system})
         messages.append({"role": "user", "content": user})
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                           extensions=["jinja2.ext.loopcontrols"])
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         try:
             template = env.from_string(self.chat_template)
-            return template.render(messages=messages, add_generation_prompt=True, enable_thinking=thinking)
-        except (jinja2.TemplateError, TypeError) as e:  # TypeError: a template that is not a string
+            return template.render(messages=messages, add_generation_prompt=True,
+                                   enable_thinking=thinking)
+        except (jinja2.TemplateError, TypeError) as e:  # TypeError: a template that isn't a string
             raise UserError(f"the checkpoint's chat template fails: {e}") from None
 
 
@@ -330,25 +398,30 @@ class Checkpoint:
 def load(path: str, device="cpu", dtype: torch.dtype | None = None) -> Checkpoint:
     """A converted checkpoint on `device`, in `dtype` (default: bf16 on CUDA, fp32 on the CPU)."""
     if dtype is None:
-        dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        on_cuda = torch.device(device).type == "cuda"
+        dtype = torch.bfloat16 if on_cuda else torch.float32
     model = Transformer.from_checkpoint(path, device, dtype)
     file = pathlib.Path(path, "generation_config.json")
     generation_config = read_json(file) if file.is_file() else {}
     eos = generation_config.get("eos_token_id", [])
-    stop_ids = set(model.args.eos_token_id) | set(eos if isinstance(eos, list) else [eos])
-    return Checkpoint(model=model, tokenizer=Tokenizer(path),
-                      sampling=SamplingParams.from_generation_config(generation_config), stop_ids=stop_ids)
+    if not isinstance(eos, list):  # one id, or a list
+        eos = [eos]
+    sampling = SamplingParams.from_generation_config(generation_config)
+    stop_ids = set(model.args.eos_token_id) | set(eos)
+    return Checkpoint(model=model, tokenizer=Tokenizer(path), sampling=sampling,
+                      stop_ids=stop_ids)
 
 
 class TextStream:
-    """The on_tokens of generate(): streams one row's text as it grows, or prints every row at the end. A
-    character split across tokens decodes to U+FFFD until its last byte arrives, so trailing U+FFFD is held
-    back: what is printed is always a prefix of the final text."""
+    """The on_tokens of generate(): streams one row's text as it grows, or prints every row at the
+    end. A character split across tokens decodes to U+FFFD until its last byte arrives, so trailing
+    U+FFFD is held back: what is printed is always a prefix of the final text."""
 
     def __init__(self, decode, prompts: list[str], file=None):
         self.decode = decode
         self.prompts = prompts
-        self.file = file or sys.stdout  # looked up now: sys.stdout may have been replaced since import
+        # Looked up now: sys.stdout may have been replaced since import
+        self.file = file or sys.stdout
         self.rows = [[] for _ in prompts]
         self.printed = ""
 
@@ -372,11 +445,12 @@ class TextStream:
 
 
 def report(stats: GenerationStats, rows: list[list[int]], compiled: bool) -> str:
-    """The line on stderr after a generation: what came out, the time to first token and the decode rate."""
-    line = f"{sum(map(len, rows))} new tokens in {len(rows)} row{'s' if len(rows) > 1 else ''}"
+    """The line on stderr after a generation: what came out, the time to first token, the rate."""
+    plural = "s" if len(rows) > 1 else ""
+    line = f"{sum(map(len, rows))} new tokens in {len(rows)} row{plural}"
     line += f". Time to first token {stats.prefill_s:.3f} s"
     if stats.first_step_s and compiled:
-        line += f"; the first decode step {stats.first_step_s:.2f} s (both compile and capture their graphs)"
+        line += f"; the first decode step {stats.first_step_s:.2f} s (it sets up the graphs)"
     if stats.decode_steps:
         rate = stats.decode_steps / stats.decode_s
         line += f"; then {rate:.1f} tok/s per row, {rate * len(rows):.1f} in all"
@@ -390,40 +464,53 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = ArgumentParser(description=__doc__.split("\n")[0])
-    g = ap.add_argument_group("model")
-    g.add_argument("--checkpoint", default="checkpoints/Qwen/Qwen3-0.6B/converted",
-                   help="a directory that convert_hf_checkpoint.py wrote")
-    g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda:N")
-    g.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: bf16 on CUDA, fp32")
-    g = ap.add_argument_group("prompt")
-    g.add_argument("--prompt", action="append", help="repeat it for a batch: one cache row per prompt")
-    g.add_argument("--chat", action="store_true", help="wrap each prompt in the checkpoint's chat template")
-    g.add_argument("--system", help="system message for --chat")
-    g.add_argument("--no-think", action="store_true", help="with --chat: answer without a thinking block")
-    g = ap.add_argument_group("sampling (defaults: the checkpoint's generation_config.json, else greedy)")
-    g.add_argument("--temperature", type=SAMPLING_CHECKS["temperature"], help="0 is greedy")
-    g.add_argument("--top-k", type=SAMPLING_CHECKS["top_k"], help="0 keeps every token")
-    g.add_argument("--top-p", type=SAMPLING_CHECKS["top_p"], help="1 keeps every token")
-    g.add_argument("--seed", type=checked(int, "in [0, 2^64)", lambda v: 0 <= v < 1 << 64),
-                   help="the same seed gives the same text, in every mode")
-    g.add_argument("--max-new-tokens", type=POSITIVE, default=200)
-    g.add_argument("--stop-ids", type=int, nargs="*", default=[], help="stop tokens besides the model's eos")
-    g = ap.add_argument_group("speed")
-    g.add_argument("--compile", action="store_true", help="torch.compile prefill and decode steps")
-    g.add_argument("--cuda-graph", action="store_true",
-                   help="replay prefill and decode as our CUDA graphs (with --compile: inductor's)")
-    g.add_argument("--check-every", type=POSITIVE, default=16, help="decode steps between stop checks")
-    g.add_argument("--cache-len", type=POSITIVE, help="KV cache positions (default: prompt + max new tokens)")
-    a = ap.parse_args(argv)
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", a.device):
-        raise UserError(f"unknown device {a.device!r}: use cpu, cuda or cuda:N")
-    if a.device.startswith("cuda") and not torch.cuda.is_available():
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
+    group = parser.add_argument_group("model")
+    group.add_argument("--checkpoint", default="checkpoints/Qwen/Qwen3-0.6B/converted",
+                       help="a directory that convert_hf_checkpoint.py wrote")
+    default_device = "cuda" if torch.cuda.is_available() else "cpu"
+    group.add_argument("--device", default=default_device, help="cpu, cuda or cuda:N")
+    group.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
+                       help="default: bf16 on CUDA, fp32 on the CPU")
+    group = parser.add_argument_group("prompt")
+    group.add_argument("--prompt", action="append",
+                       help="repeat it for a batch: one cache row per prompt")
+    group.add_argument("--chat", action="store_true",
+                       help="wrap each prompt in the checkpoint's chat template")
+    group.add_argument("--system", help="system message for --chat")
+    group.add_argument("--no-think", action="store_true",
+                       help="with --chat: answer without a thinking block")
+    group = parser.add_argument_group(
+        "sampling (defaults: the checkpoint's generation_config.json, else greedy)")
+    group.add_argument("--temperature", type=SAMPLING_CHECKS["temperature"], help="0 is greedy")
+    group.add_argument("--top-k", type=SAMPLING_CHECKS["top_k"], help="0 keeps every token")
+    group.add_argument("--top-p", type=SAMPLING_CHECKS["top_p"], help="1 keeps every token")
+    group.add_argument("--seed", type=checked(int, "in [0, 2^64)", lambda v: 0 <= v < 1 << 64),
+                       help="the same seed gives the same text, in every mode")
+    group.add_argument("--max-new-tokens", type=POSITIVE, default=200)
+    group.add_argument("--stop-ids", type=int, nargs="*", default=[],
+                       help="stop tokens besides the model's eos")
+    group = parser.add_argument_group("speed")
+    modes = group.add_mutually_exclusive_group()
+    modes.add_argument("--compile", action="store_true",
+                       help="torch.compile the prefill and decode steps")
+    modes.add_argument("--cuda-graph", action="store_true",
+                       help="replay the prefill and decode steps as our CUDA graphs")
+    group.add_argument("--check-every", type=POSITIVE, default=16,
+                       help="decode steps between stop checks")
+    group.add_argument("--cache-len", type=POSITIVE,
+                       help="KV cache positions (default: prompt + max new tokens)")
+    args = parser.parse_args(argv)
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        raise UserError(f"unknown device {args.device!r}: use cpu, cuda or cuda:N")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("no CUDA device here: use --device cpu")
-    a.device = torch.device(a.device)
-    if (a.system or a.no_think) and not a.chat:
+    args.device = torch.device(args.device)
+    if args.cuda_graph and args.device.type != "cuda":
+        raise UserError("--cuda-graph needs a CUDA device: use --device cuda, or leave it out")
+    if (args.system or args.no_think) and not args.chat:
         raise UserError("--system and --no-think go with --chat")
-    return a
+    return args
 
 
 def main(argv=None):
@@ -434,34 +521,45 @@ def main(argv=None):
     except KeyboardInterrupt:  # what was generated is printed already
         sys.exit(130)
     except BrokenPipeError:  # stdout closed early (`| head`): stop quietly, as Unix tools do
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        # No second error at exit's flush
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(141)
 
 
-def run(a: argparse.Namespace) -> None:
-    if a.seed is not None:
-        torch.manual_seed(a.seed)
-    texts = a.prompt or []
+def run(args: argparse.Namespace) -> None:
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    texts = args.prompt or []
     if not (texts and all(text.strip() for text in texts)):
         raise UserError("empty prompt: give --prompt TEXT")
-    print(f"loading {a.checkpoint} ...", file=sys.stderr, flush=True)
-    checkpoint = load(a.checkpoint, a.device, getattr(torch, a.dtype) if a.dtype else None)
-    flags = {name: getattr(a, name) for name in SAMPLING_CHECKS if getattr(a, name) is not None}
+    print(f"loading {args.checkpoint} ...", file=sys.stderr, flush=True)
+    dtype = None
+    if args.dtype:
+        dtype = getattr(torch, args.dtype)
+    checkpoint = load(args.checkpoint, args.device, dtype)
+    flags = {}
+    for name in SAMPLING_CHECKS:
+        if getattr(args, name) is not None:
+            flags[name] = getattr(args, name)
     sampling = dataclasses.replace(checkpoint.sampling, **flags)
-    if a.chat:
-        texts = [checkpoint.tokenizer.chat(text, a.system, thinking=not a.no_think) for text in texts]
-    prompts = [checkpoint.tokenizer.encode(text) for text in texts]
-    capacity = a.cache_len or max(map(len, prompts)) + a.max_new_tokens  # too long: setup_cache says so
+    tokenizer = checkpoint.tokenizer
+    if args.chat:
+        thinking = not args.no_think
+        texts = [tokenizer.chat(text, args.system, thinking=thinking) for text in texts]
+    prompts = [tokenizer.encode(text) for text in texts]
+    # Too long for the model: setup_cache says so
+    capacity = args.cache_len or max(map(len, prompts)) + args.max_new_tokens
     gen = Generator(checkpoint.model, batch=len(prompts), capacity=capacity, sampling=sampling,
-                    compile=a.compile, cuda_graph=a.cuda_graph)
-    stream = TextStream(checkpoint.tokenizer.decode, a.prompt)
+                    compile=args.compile, cuda_graph=args.cuda_graph)
+    stream = TextStream(tokenizer.decode, args.prompt)
+    stop_ids = checkpoint.stop_ids | set(args.stop_ids)
     try:
-        rows, stats = gen.generate(prompts, max_new=a.max_new_tokens,
-                                   stop_ids=checkpoint.stop_ids | set(a.stop_ids), check_every=a.check_every,
-                                   on_tokens=stream)
+        rows, stats = gen.generate(prompts, max_new=args.max_new_tokens, stop_ids=stop_ids,
+                                   check_every=args.check_every, on_tokens=stream)
     finally:  # on Ctrl-C too: what was generated so far
         stream.finish()
-    print(report(stats, rows, compiled=a.compile or a.cuda_graph), file=sys.stderr)
+    compiled = args.compile or args.cuda_graph
+    print(report(stats, rows, compiled=compiled), file=sys.stderr)
 
 
 if __name__ == "__main__":

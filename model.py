@@ -1,19 +1,19 @@
-"""Qwen3 and Qwen3-MoE for fast decoding: fused projections, a static KV cache, one forward for prefill and
-decode."""
+"""Qwen3 and Qwen3-MoE in PyTorch, driven by the checkpoint's config.json, with a static KV cache.
+
+One forward serves every step: a prefill (a prompt per row, many tokens) and a decode step (one
+token per row). Module names follow the Hugging Face checkpoint's, but for the fused qkv_proj and
+gate_up_proj. This file is the reference: the Triton fast path (qwen3_triton.py) walks the same
+modules' weights.
+"""
 import json
 import math
 import pathlib
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
-
-try:  # optional: without kernels.py, or without Triton, every step runs PyTorch's ops
-    import kernels
-except ImportError:
-    kernels = None
 
 
 class UserError(Exception):
@@ -21,18 +21,48 @@ class UserError(Exception):
 
 
 def read_json(path) -> dict:
-    """A JSON object from a file; anything else (unreadable, not JSON, a list or a string) is a UserError."""
+    """A JSON object from a file; anything else (unreadable, not JSON, a list) is a UserError."""
     try:
         value = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:  # ValueError: not UTF-8, or not JSON
         raise UserError(f"{path}: not a readable JSON file ({e})") from None
     if not isinstance(value, dict):
-        raise UserError(f"{path}: not a JSON object but {type(value).__name__}; download or convert it again")
+        kind = type(value).__name__
+        raise UserError(f"{path}: not a JSON object but {kind}; download or convert it again")
     return value
 
 
-# The JSON types that a config.json value of a ModelArgs field may have (a bool is no int here).
-CONFIG_TYPES = {int: (int,), float: (int, float), bool: (bool,), list[int]: (list,), dict: (dict,)}
+# The supported architectures, each with its model_type
+SUPPORTED = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
+# The JSON types a config.json value may have, by the type of its ModelArgs field. A bool is no int
+# here.
+CONFIG_TYPES = {
+    int: (int,),
+    float: (int, float),
+    bool: (bool,),
+    list[int]: (list,),
+    dict: (dict,),
+}
+
+
+def is_valid(value, field_type) -> bool:
+    """Whether a config.json value suits a ModelArgs field: of one of its JSON types, and no
+    negative int."""
+    if type(value) not in CONFIG_TYPES.get(field_type, (str,)):
+        return False
+    return type(value) is not int or value >= 0
+
+
+def rope_parameters(cfg: dict) -> dict:
+    """The RoPE settings: rope_parameters (transformers 5), else rope_scaling (the hub's older
+    configs)."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise UserError(f"config.json: rope_parameters is {rope!r}, not an object")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "yarn"):
+        raise UserError(f"rope type {rope_type} is not supported: only default RoPE and YaRN")
+    return dict(rope, rope_type=rope_type)
 
 
 @dataclass
@@ -42,96 +72,113 @@ class ModelArgs:
     num_hidden_layers: int = 28
     num_attention_heads: int = 16
     num_key_value_heads: int = 8
-    head_dim: int = 128  # its own parameter: 0.6B has hidden 1024 but 16 heads x 128
+    head_dim: int = 128  # its own setting: Qwen3 heads are not hidden_size / heads wide
     vocab_size: int = 151936
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1e6
     max_position_embeddings: int = 40960
     tie_word_embeddings: bool = False
-    quantization: str | None = None  # "int8": weight-only, per output channel (our converter writes it)
-    num_experts: int = 0  # MoE: experts per sparse layer, 0 for a dense model
+    quantization: str | None = None  # "int8": weight-only, a scale per output row (our converter's)
+    num_experts: int = 0  # MoE: experts per sparse layer; 0 for a dense model
     num_experts_per_tok: int = 8
     moe_intermediate_size: int = 768
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
-    mlp_only_layers: list[int] = field(default_factory=list)  # dense layers of a MoE model
+    mlp_only_layers: list[int] = field(default_factory=list)  # the dense layers of a MoE model
     eos_token_id: list[int] = field(default_factory=list)  # the model's end-of-sequence tokens
-    yarn: dict = field(default_factory=dict)  # YaRN's rope parameters (factor, ...); empty for default RoPE
+    yarn: dict = field(default_factory=dict)  # YaRN's parameters (factor, ...); empty: default RoPE
 
     @classmethod
     def from_config(cls, cfg: dict) -> "ModelArgs":
         """From a Hugging Face Qwen3 config.json, or from the config.json our converter writes."""
         architecture = (cfg.get("architectures") or ["Qwen3ForCausalLM"])[0]
         model_type = cfg.get("model_type", "qwen3")
-        supported = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
-        if supported.get(architecture) != model_type:
-            raise UserError(f"{architecture} (model_type {model_type}) is not supported: only Qwen3 is "
-                            "(Qwen3ForCausalLM or Qwen3MoeForCausalLM)")
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}  # new style, then old
-        if not isinstance(rope, dict):
-            raise UserError(f"config.json: rope_parameters is {rope!r}, not an object")
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "yarn"):
-            raise UserError(f"rope type {rope_type} is not supported: only default RoPE and YaRN")
+        if SUPPORTED.get(architecture) != model_type:
+            raise UserError(f"{architecture} (model_type {model_type}) is not supported: "
+                            "only Qwen3 is (Qwen3ForCausalLM or Qwen3MoeForCausalLM)")
         if cfg.get("use_sliding_window"):
-            raise UserError("sliding-window attention is not supported: set use_sliding_window to false")
+            raise UserError("sliding-window attention is not supported: "
+                            "set use_sliding_window to false")
+        rope = rope_parameters(cfg)
         cfg = dict(cfg, rope_theta=rope.get("rope_theta", cfg.get("rope_theta")))
-        if rope_type == "yarn":  # our converter writes the parameters as "yarn"; the hub, in rope_scaling
-            cfg["yarn"] = {k: v for k, v in rope.items() if k not in ("rope_type", "type", "rope_theta")}
+        if rope["rope_type"] == "yarn":  # the hub's rope_scaling; our converter writes "yarn"
+            named = ("rope_type", "type", "rope_theta")
+            cfg["yarn"] = {key: value for key, value in rope.items() if key not in named}
             if not all(type(v) in (int, float, bool) for v in cfg["yarn"].values()):
-                raise UserError(f"config.json: the YaRN parameters {cfg['yarn']} are not all numbers")
-        if type(cfg.get("eos_token_id")) is int:  # the hub writes one id or a list
+                raise UserError(f"config.json: the YaRN parameters {cfg['yarn']} "
+                                "are not all numbers")
+        if type(cfg.get("eos_token_id")) is int:  # the hub writes one id, or a list
             cfg["eos_token_id"] = [cfg["eos_token_id"]]
-        if "num_local_experts" in cfg:  # what transformers writes for the hub's num_experts
+        if "num_local_experts" in cfg:  # transformers' name for the hub's num_experts
             cfg["num_experts"] = cfg["num_local_experts"]
-        types = {f.name: f.type for f in fields(cls)}
-        given = {name: cfg[name] for name in types if cfg.get(name) is not None}
-        for name, value in given.items():
-            if type(value) not in CONFIG_TYPES.get(types[name], (str,)) or type(value) is int and value < 0:
-                raise UserError(f"config.json: {name} is {value!r}, which is not a valid value for it")
+        given = {}
+        for spec in fields(cls):
+            value = cfg.get(spec.name)
+            if value is None:
+                continue
+            if not is_valid(value, spec.type):
+                raise UserError(f"config.json: {spec.name} is {value!r}, "
+                                "which is not a valid value for it")
+            given[spec.name] = value
         args = cls(**given)
         if cfg.get("head_dim") is None:
             args.head_dim = args.hidden_size // args.num_attention_heads
-        if args.yarn:  # YaRN extends the context to factor x the original positions
-            extended = args.yarn.get("original_max_position_embeddings", 0) * args.yarn.get("factor", 1.0)
-            args.max_position_embeddings = max(args.max_position_embeddings, int(extended))
+        if args.yarn:  # YaRN stretches the original context by its factor
+            original = args.yarn.get("original_max_position_embeddings", 0)
+            extended = int(original * args.yarn.get("factor", 1.0))
+            args.max_position_embeddings = max(args.max_position_embeddings, extended)
         return args
 
     def is_sparse(self, layer: int) -> bool:
         """Whether layer `layer` has a MoE block, as transformers decides it."""
-        step = (layer + 1) % self.decoder_sparse_step == 0
-        return self.num_experts > 0 and step and layer not in self.mlp_only_layers
+        on_step = (layer + 1) % self.decoder_sparse_step == 0
+        return self.num_experts > 0 and on_step and layer not in self.mlp_only_layers
 
 
-def rope_frequencies(a: ModelArgs) -> tuple[Tensor, float]:
-    """RoPE's inverse frequencies (head_dim / 2,) and the factor on cos and sin, as transformers computes
-    them: default, or YaRN (its _compute_yarn_parameters: each frequency between the original and the one
-    divided by `factor`, by a linear ramp over the dimensions between beta_fast and beta_slow rotations in the
-    original context; cos and sin scaled by 0.1 ln(factor) + 1 unless attention_factor is given)."""
-    dim = a.head_dim
-    pos_freqs = a.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)  # 1 / RoPE's frequencies
-    factor = a.yarn.get("factor", 1.0)  # default RoPE is YaRN with factor 1, to rounding
-    scale = a.yarn.get("attention_factor") or 0.1 * math.log(max(factor, 1.0)) + 1.0  # 1 for factor <= 1
+def rope_frequencies(args: ModelArgs) -> tuple[Tensor, float]:
+    """RoPE's inverse frequencies (head_dim / 2,) and the factor on cos and sin, as transformers
+    computes them. YaRN (transformers' _compute_yarn_parameters) moves each frequency between the
+    original one and the one divided by `factor` along a linear ramp, over the dimensions that turn
+    between beta_fast and beta_slow times in the original context, and scales cos and sin by 0.1
+    ln(factor) + 1 unless it is given an attention_factor."""
+    dim = args.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.float) / dim
+    original = 1.0 / args.rope_theta ** exponents  # (dim / 2,)
+    yarn = args.yarn
+    if not yarn:
+        return original, 1.0
+    factor = yarn.get("factor", 1.0)
+    scale = yarn.get("attention_factor")
+    if scale is None:
+        scale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    context = yarn.get("original_max_position_embeddings", args.max_position_embeddings)
 
-    def dimension(rotations):  # the dimension that turns `rotations` times over the original context
-        original = a.yarn.get("original_max_position_embeddings", a.max_position_embeddings)
-        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(a.rope_theta))
-    low, high = dimension(a.yarn.get("beta_fast") or 32), dimension(a.yarn.get("beta_slow") or 1)
-    if a.yarn.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    width = high - low if high != low else 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float) - low) / width).clamp(0, 1)
-    return 1.0 / (factor * pos_freqs) * ramp + 1.0 / pos_freqs * (1 - ramp), scale  # interpolated, original
+    def dimension(turns: float) -> float:  # the dimension that turns `turns` times over the context
+        return dim * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(args.rope_theta))
+    low = dimension(yarn.get("beta_fast") or 32)
+    high = dimension(yarn.get("beta_slow") or 1)
+    if yarn.get("truncate", True):
+        low = math.floor(low)
+        high = math.ceil(high)
+    low = max(low, 0)
+    high = min(high, dim - 1)
+    if high == low:
+        high += 0.001  # as transformers: no division by zero
+    # 0 below `low` (the original frequency), 1 above `high` (the interpolated one)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float) - low) / (high - low)).clamp(0, 1)
+    interpolated = original / factor
+    return interpolated * ramp + original * (1 - ramp), scale
 
 
 class Linear(nn.Module):
-    """A bias-free linear layer; with `experts`, one weight per expert: (experts, n_out, n_in). int8 stores
-    the weight as int8 with a scale per output row (weight-only quantization)."""
+    """A bias-free linear layer; with `experts`, a weight per expert: (experts, n_out, n_in). int8
+    keeps the weight in int8 with a scale per output row (weight-only quantization)."""
 
     def __init__(self, n_in: int, n_out: int, int8: bool = False, experts: int | None = None):
         super().__init__()
-        shape = (n_out, n_in) if experts is None else (experts, n_out, n_in)
+        shape = (n_out, n_in)
+        if experts is not None:
+            shape = (experts, n_out, n_in)
         if int8:
             self.register_buffer("weight", torch.empty(shape, dtype=torch.int8))
             self.register_buffer("scale", torch.empty(shape[:-1]))
@@ -140,86 +187,84 @@ class Linear(nn.Module):
             self.scale = None
 
     def forward(self, x: Tensor) -> Tensor:
-        # The int8 cast inside the matmul's expression: inductor fuses it into the matmul's loads and never
-        # writes a full-precision copy of the weight.
+        # The int8 cast inside the product's expression: inductor fuses it into the product's loads
+        # and never writes a full-precision copy of the weight.
         y = F.linear(x, self.weight.to(x.dtype))
-        return y if self.scale is None else y * self.scale
+        if self.scale is None:
+            return y
+        return y * self.scale
 
 
 def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
-    """Symmetric per-output-row int8: w ~= q * scale[..., None]. Returns (q, scale)."""
+    """Symmetric int8 per output row: w ~= q * scale[..., None]. Returns (q, scale)."""
     scale = w.float().abs().amax(dim=-1).clamp(min=1e-8) / 127
-    return (w.float() / scale[..., None]).round().clamp(-127, 127).to(torch.int8), scale
+    q = (w.float() / scale[..., None]).round().clamp(-127, 127)
+    return q.to(torch.int8), scale
 
 
 def linear(args: ModelArgs, n_in: int, n_out: int, experts: int | None = None) -> Linear:
-    return Linear(n_in, n_out, int8=args.quantization == "int8", experts=experts)
-
-
-def project(proj: nn.Module, x: Tensor, *, fused: bool, norm: nn.RMSNorm | None = None, gated: bool = False,
-            residual: Tensor | None = None) -> Tensor:
-    """residual + proj(a), where a is norm(x) with `norm`, silu(gate) * up of x = [gate, up] with `gated`,
-    else x. fused: one Triton kernel (one token on CUDA); otherwise PyTorch's ops, the kernel's reference."""
-    if fused:  # the kernel normalises x as it reads it, with the norm's weight and eps (if there is a norm)
-        return kernels.gemv(x, proj.weight, scale=proj.scale, norm=getattr(norm, "weight", None),
-                            eps=getattr(norm, "eps", 0.0), gated=gated, residual=residual)
-    if norm is not None:
-        x = norm(x)
-    if gated:
-        gate, up = x.chunk(2, dim=-1)
-        x = F.silu(gate) * up
-    return proj(x) if residual is None else residual + proj(x)
+    int8 = args.quantization == "int8"
+    return Linear(n_in, n_out, int8=int8, experts=experts)
 
 
 class StaticKVCache(nn.Module):
-    """Keys and values of one layer at absolute positions, one row per request slot: (slots, kv_heads,
-    capacity, head_dim), zero-filled. A slot not yet written, or left over from a longer earlier request, sits
-    at a position greater than every live query of its row, so the causal rule key_pos <= query_pos hides it:
-    nothing to clear."""
+    """One layer's keys and values at absolute positions, a row per request slot: (slots, kv_heads,
+    capacity, head_dim), zero-filled. A position not yet written, or left over from a longer earlier
+    request, lies past every live query of its row, so the causal rule key_pos <= query_pos hides
+    it: nothing is ever cleared."""
 
     def __init__(self, slots: int, kv_heads: int, capacity: int, head_dim: int, dtype, device):
         super().__init__()
         shape = (slots, kv_heads, capacity, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        k = torch.zeros(shape, dtype=dtype, device=device)
+        self.register_buffer("k", k, persistent=False)
+        self.register_buffer("v", torch.zeros_like(k), persistent=False)
 
-    def update(self, rows: slice, positions: Tensor, k: Tensor, v: Tensor, kv_len: int):
-        """Writes k, v (R, T, kv_heads, head_dim) at (row, position) pairs; returns the keys and values of the
-        first kv_len positions of those rows."""
-        r = torch.arange(positions.shape[0], device=positions.device)[:, None]
-        self.k[rows][r, :, positions] = k
-        self.v[rows][r, :, positions] = v
-        return self.k[rows, :, :kv_len], self.v[rows, :, :kv_len]
+    def update(self, first_row: int, positions: Tensor, k: Tensor, v: Tensor, kv_len: int):
+        """Writes k, v (R, T, kv_heads, head_dim) into rows first_row ... first_row + R - 1 at their
+        positions (R, T); returns those rows' keys and values at positions [0, kv_len)."""
+        count = positions.shape[0]
+        rows = torch.arange(first_row, first_row + count, device=positions.device)
+        # (R, 1) and (R, T) index the row and position dims: their (R, T) comes first, heads after
+        self.k[rows[:, None], :, positions] = k
+        self.v[rows[:, None], :, positions] = v
+        last = first_row + count
+        return self.k[first_row:last, :, :kv_len], self.v[first_row:last, :, :kv_len]
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """RoPE in the split-halves layout, as transformers: x * cos + rotate_half(x) * sin, where rotate_half(x)
-    is (-x2, x1) for x = (x1, x2). The sin table carries rotate_half's signs, (-sin, sin), so the rotation is
-    a roll of the halves: one kernel instead of a negation and a concatenation."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+    """RoPE in the split-halves layout, as transformers: x * cos + rotate_half(x) * sin, where
+    rotate_half(x1, x2) is (-x2, x1). Our sin table carries rotate_half's signs, (-sin, sin), so the
+    rotation is a roll of the halves: one kernel instead of a negation and a concatenation."""
+    half = x.shape[-1] // 2
+    return x * cos + x.roll(half, dims=-1) * sin
 
 
 @dataclass
 class ForwardContext:
-    """What every layer needs to know about the tokens of one forward pass besides their activations."""
-    rows: slice  # the cache rows of the batch
-    positions: Tensor  # (R, T) absolute positions of the tokens
-    cos: Tensor  # (R, T, 1, head_dim) RoPE at those positions; fused: the whole table (capacity, head_dim)
-    sin: Tensor  # the same for sin, which carries rotate_half's signs (see apply_rope)
-    mask: Tensor | None  # (R, 1, queries, kv_len), True where a query may attend; None: causal, no mask
-    kv_len: int  # the attended length: every position so far is below it
-    fused: bool  # one token on CUDA: the projections run as the Triton kernel
-    grouped_mm: bool  # MoE layers multiply by the picked experts alone (see expert_products)
-    queries_at: Tensor | None = None  # (R, 1) indices: the only queries (the last layer of a prefill)
-    packed: Tensor | None = None  # (N,) indices into the (R, T) grid: the tokens that run; None: all
+    """What every layer needs to know about one forward's tokens besides their activations."""
+    first_row: int  # the cache row of the batch's first row
+    positions: Tensor  # (R, T) the tokens' absolute positions: the grid of rows and tokens
+    cos: Tensor  # (R, T, 1, head_dim) RoPE at those positions
+    sin: Tensor  # the same for sin, with rotate_half's signs (see apply_rope)
+    mask: Tensor | None  # (R, 1, T, kv_len), True where a query may attend; None: causal
+    kv_len: int  # the attended prefix of the cache: every position so far is below it
+    packed: Tensor | None  # (N,) indices into the flattened grid of the tokens that run; None: all
 
-    def on_grid(self, x: Tensor) -> Tensor:
-        """Activations (1, N, C) of the packed tokens on the (R, T) grid of the positions, zeros where a
-        token didn't run; those of every token, (R, T, C), as they are."""
+    def pack(self, grid: Tensor) -> Tensor:
+        """The tokens that run: grid (R, T, ...) as it is, or packed, (1, N, ...)."""
+        if self.packed is None:
+            return grid
+        return grid.flatten(0, 1)[self.packed][None]
+
+    def unpack(self, x: Tensor) -> Tensor:
+        """The inverse of pack: packed activations (1, N, C) on the grid (R, T, C), zeros where a
+        token didn't run."""
         if self.packed is None:
             return x
         grid = x.new_zeros(self.positions.numel(), x.shape[-1])  # (R x T, C)
-        return grid.index_copy_(0, self.packed, x[0]).unflatten(0, self.positions.shape)
+        grid.index_copy_(0, self.packed, x[0])
+        return grid.unflatten(0, self.positions.shape)
 
 
 class Attention(nn.Module):
@@ -228,102 +273,102 @@ class Attention(nn.Module):
         self.n_heads = args.num_attention_heads
         self.n_kv = args.num_key_value_heads
         self.head_dim = args.head_dim
-        self.qkv_proj = linear(args, args.hidden_size, (self.n_heads + 2 * self.n_kv) * self.head_dim)
+        qkv_size = (self.n_heads + 2 * self.n_kv) * self.head_dim
+        self.qkv_proj = linear(args, args.hidden_size, qkv_size)
         self.o_proj = linear(args, self.n_heads * self.head_dim, args.hidden_size)
         self.q_norm = nn.RMSNorm(self.head_dim, args.rms_norm_eps)
         self.k_norm = nn.RMSNorm(self.head_dim, args.rms_norm_eps)
         self.kv_cache: StaticKVCache | None = None
 
-    def forward(self, x: Tensor, norm: nn.RMSNorm, residual: Tensor, ctx: ForwardContext) -> Tensor:
-        """residual + attention(norm(x))."""
-        qkv = project(self.qkv_proj, x, norm=norm, fused=ctx.fused)
-        if ctx.fused:  # the q/k norms, RoPE, the cache write and attention in one kernel (and a merge)
-            y = kernels.decode_attention(qkv, self.kv_cache.k, self.kv_cache.v, ctx.rows.start or 0,
-                                         ctx.positions[:, 0], ctx.cos, ctx.sin, self.q_norm.weight,
-                                         self.k_norm.weight, self.q_norm.eps, self.n_heads, ctx.kv_len)
-        else:
-            # Packed tokens (see Transformer.forward) attend on their grid: a row per prompt, zeros between.
-            qkv = ctx.on_grid(qkv)
-            q, k, v = qkv.unflatten(2, (-1, self.head_dim)).split([self.n_heads, self.n_kv, self.n_kv], dim=2)
-            q = apply_rope(self.q_norm(q), ctx.cos, ctx.sin)
-            k = apply_rope(self.k_norm(k), ctx.cos, ctx.sin)
-            keys, values = self.kv_cache.update(ctx.rows, ctx.positions, k, v, ctx.kv_len)
-            if ctx.queries_at is not None:  # the last layer of a prefill: see Transformer.forward (logits_at)
-                q = q.take_along_dim(ctx.queries_at[..., None, None], dim=1)
-                residual = ctx.on_grid(residual).take_along_dim(ctx.queries_at[..., None], dim=1)
-            y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=ctx.mask,
-                                               is_causal=ctx.mask is None, enable_gqa=True).transpose(1, 2)
-            if ctx.packed is not None and ctx.queries_at is None:  # back to the packed tokens
-                y = y.flatten(0, 1)[ctx.packed]
-        return project(self.o_proj, y.reshape(*residual.shape[:-1], -1), residual=residual, fused=ctx.fused)
+    def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
+        # Packed tokens attend on their grid: a row per prompt, so the causal rule keeps each to its
+        # row.
+        qkv = ctx.unpack(self.qkv_proj(x))  # (R, T, (heads + 2 kv_heads) x head_dim)
+        heads = qkv.unflatten(-1, (-1, self.head_dim))  # (R, T, heads + 2 kv_heads, head_dim)
+        q, k, v = heads.split([self.n_heads, self.n_kv, self.n_kv], dim=2)
+        q = apply_rope(self.q_norm(q), ctx.cos, ctx.sin)
+        k = apply_rope(self.k_norm(k), ctx.cos, ctx.sin)
+        keys, values = self.kv_cache.update(ctx.first_row, ctx.positions, k, v, ctx.kv_len)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=ctx.mask,
+            is_causal=ctx.mask is None, enable_gqa=True)  # (R, heads, T, head_dim)
+        y = y.transpose(1, 2).flatten(2)  # (R, T, heads x head_dim)
+        return self.o_proj(ctx.pack(y))
 
 
 class MLP(nn.Module):
+    """down(silu(gate) * up), gate and up from one product."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.gate_up_proj = linear(args, args.hidden_size, 2 * args.intermediate_size)
         self.down_proj = linear(args, args.intermediate_size, args.hidden_size)
 
-    def forward(self, x: Tensor, norm: nn.RMSNorm, residual: Tensor, ctx: ForwardContext) -> Tensor:
-        """residual + down(silu(gate) * up) of norm(x)."""
-        gate_up = project(self.gate_up_proj, x, norm=norm, fused=ctx.fused)
-        return project(self.down_proj, gate_up, gated=True, residual=residual, fused=ctx.fused)
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class MoE(nn.Module):
-    """A router picks num_experts_per_tok of the experts (SiLU-gated MLPs) for each token; their outputs are
-    summed, weighted by the router's softmax (renormalised over the picked ones with norm_topk_prob)."""
+    """A router picks num_experts_per_tok of the experts (SiLU-gated MLPs) for each token; their
+    outputs are summed, weighted by the router's softmax (renormalised over the picked ones by
+    norm_topk_prob)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.top_k = args.num_experts_per_tok
         self.norm_topk_prob = args.norm_topk_prob
-        self.gate = Linear(args.hidden_size, args.num_experts)  # the router, never quantized: it is small
-        self.gate_up_proj = linear(args, args.hidden_size, 2 * args.moe_intermediate_size, args.num_experts)
-        self.down_proj = linear(args, args.moe_intermediate_size, args.hidden_size, args.num_experts)
+        experts = args.num_experts
+        inner = args.moe_intermediate_size
+        self.gate = Linear(args.hidden_size, experts)  # the router: small, never quantized
+        self.gate_up_proj = linear(args, args.hidden_size, 2 * inner, experts)
+        self.down_proj = linear(args, inner, args.hidden_size, experts)
+        self.grouped_mm = False  # set by Transformer.setup_cache (see expert_products)
 
-    def forward(self, x: Tensor, norm: nn.RMSNorm, residual: Tensor, ctx: ForwardContext) -> Tensor:
-        """residual + the routing-weighted sum over the picked experts e of down_e(silu(gate_e) * up_e)."""
-        if ctx.fused:  # the kernels pick the experts from the logits and read the picked ones' weights alone
-            logits = project(self.gate, x, norm=norm, fused=True)
-            routing = dict(router=logits.view(-1), top_k=self.top_k, norm_topk_prob=self.norm_topk_prob)
-            gate_up = kernels.gemv(x, self.gate_up_proj.weight, scale=self.gate_up_proj.scale,
-                                   norm=norm.weight, eps=norm.eps, **routing)  # (top_k, 1, 2 x moe_inter.)
-            return kernels.gemv(gate_up, self.down_proj.weight, scale=self.down_proj.scale, gated=True,
-                                residual=residual, routed=True, **routing)
-        normed = norm(x)
-        weights, picked = self.gate(normed).softmax(-1, dtype=torch.float).topk(self.top_k)  # (R, T, top_k)
+    def forward(self, x: Tensor) -> Tensor:
+        probs = self.gate(x).softmax(-1, dtype=torch.float)
+        weights, picked = probs.topk(self.top_k)  # (R, T, top_k)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
-        # Each token through its picked experts alone: its (token, pick) pairs, sorted by expert so that
-        # each expert's pairs are one run of rows (int32 keys: half the radix sort's passes of int64).
-        # Routing weights are rounded as transformers rounds them.
+        # Each token through its picked experts alone: its (token, pick) pairs, sorted by expert so
+        # that each expert's pairs are one run of rows (int32 keys: half the radix sort's passes of
+        # int64).
         experts, order = picked.flatten().int().sort()  # (pairs,)
-        rows = normed.flatten(0, 1)[order // self.top_k]  # (pairs, hidden): each pair's token
-        gate_up = expert_products(rows, dequantized(self.gate_up_proj, x.dtype), experts, ctx.grouped_mm)
+        tokens = x.flatten(0, 1)[order // self.top_k]  # (pairs, hidden): each pair's token
+        gate_up = expert_products(tokens, dequantized(self.gate_up_proj, x.dtype), experts,
+                                  self.grouped_mm)
         gate, up = gate_up.chunk(2, dim=-1)
-        hidden = F.silu(gate) * up * weights.flatten()[order, None].to(x.dtype)
-        y = expert_products(hidden, dequantized(self.down_proj, x.dtype), experts, ctx.grouped_mm)
-        # Back in (token, pick) order by a gather at the inverse permutation (a gather is a few times faster
-        # than the scatter, index_copy_, of the same rows).
-        unsorted = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=x.device))
-        return residual + y[unsorted].view(*x.shape[:2], self.top_k, -1).sum(2)
+        pair_weights = weights.flatten()[order, None].to(x.dtype)  # rounded as transformers does
+        hidden = F.silu(gate) * up * pair_weights
+        y = expert_products(hidden, dequantized(self.down_proj, x.dtype), experts, self.grouped_mm)
+        # Back in (token, pick) order: sorted row i is pair order[i]. A gather at the inverse
+        # permutation, a few times faster than scattering the rows themselves.
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(len(order), dtype=order.dtype, device=x.device)
+        per_pick = y[inverse].unflatten(0, (-1, self.top_k))  # (tokens, top_k, hidden)
+        return per_pick.sum(1).view_as(x)
 
 
 def expert_products(rows: Tensor, weight: Tensor, experts: Tensor, grouped_mm: bool) -> Tensor:
-    """rows (pairs, K), sorted by their `experts` (pairs,), each times its expert's weight (experts, N, K):
-    (pairs, N), in static shapes (for compile and graphs). grouped_mm: one grouped product, each expert over
-    its own run of rows, the runs' ends computed on the device. Otherwise every expert multiplies every row
-    (E times the work), and each row keeps its own expert's product."""
+    """rows (pairs, K), sorted by their `experts` (pairs,), each times its expert's weight (experts,
+    N, K): (pairs, N), in static shapes (for compile and graphs). grouped_mm: one grouped product,
+    each expert over its own run of rows, whose ends are found on the device. Otherwise every expert
+    multiplies every row (experts times the work), and each row keeps its own expert's product."""
     if grouped_mm:
-        ends = torch.searchsorted(experts, torch.arange(len(weight), device=rows.device), right=True)
-        return torch._grouped_mm(rows, weight.transpose(1, 2), offs=ends.int())  # ends: (experts,) int32
-    return torch.einsum("pk,enk->pen", rows, weight)[torch.arange(len(rows), device=rows.device), experts]
+        expert_ids = torch.arange(len(weight), device=rows.device)
+        ends = torch.searchsorted(experts, expert_ids, right=True)  # (experts,)
+        return torch._grouped_mm(rows, weight.transpose(1, 2), offs=ends.int())
+    every = torch.einsum("pk,enk->pen", rows, weight)  # (pairs, experts, N)
+    pairs = torch.arange(len(rows), device=rows.device)
+    return every[pairs, experts]
 
 
 def dequantized(proj: Linear, dtype) -> Tensor:
+    """proj's weight in `dtype`, its int8 scales applied."""
     weight = proj.weight.to(dtype)
-    return weight if proj.scale is None else weight * proj.scale[..., None]
+    if proj.scale is None:
+        return weight
+    return weight * proj.scale[..., None]
 
 
 class Block(nn.Module):
@@ -336,93 +381,100 @@ class Block(nn.Module):
         self.mlp = MoE(args) if args.is_sparse(layer) else MLP(args)
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
-        # Each norm is applied inside the first projection after it, each residual add inside the last one.
-        h = self.self_attn(x, norm=self.input_layernorm, residual=x, ctx=ctx)
-        return self.mlp(h, norm=self.post_attention_layernorm, residual=h, ctx=ctx)
+        h = x + self.self_attn(self.input_layernorm(x), ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class Transformer(nn.Module):
-    """Module names follow the Hugging Face checkpoint's, except the fused qkv_proj and gate_up_proj."""
-
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_hidden_layers))
         self.norm = nn.RMSNorm(args.hidden_size, args.rms_norm_eps)
-        int8 = args.quantization == "int8" and not args.tie_word_embeddings  # a tied one: the embedding
+        # A tied lm_head is the embedding, never quantized
+        int8 = args.quantization == "int8" and not args.tie_word_embeddings
         self.lm_head = Linear(args.hidden_size, args.vocab_size, int8=int8)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("rope_cos", None, persistent=False)  # from setup_cache
 
     def setup_cache(self, slots: int, capacity: int):
-        """Allocates a StaticKVCache per layer and the RoPE table for positions [0, capacity)."""
-        a = self.args
-        if capacity > a.max_position_embeddings:
-            raise UserError(f"cache length {capacity} is over the model's {a.max_position_embeddings} "
-                            "positions: shorten the prompt or lower --max-new-tokens / --cache-len")
+        """Allocates a StaticKVCache per layer and the RoPE tables for positions [0, capacity)."""
+        args = self.args
+        if capacity > args.max_position_embeddings:
+            raise UserError(f"cache length {capacity} is over the model's "
+                            f"{args.max_position_embeddings} positions: shorten the prompt or "
+                            "lower --max-new-tokens / --cache-len")
         device = self.norm.weight.device
         dtype = self.norm.weight.dtype
-        # One spare position, never attended: every attended prefix is then a strict slice of the buffer, so a
-        # compiled step's contiguity guards don't fail (and recompile) when the prefix reaches the capacity.
+        # One spare position, never attended: every attended prefix is then a strict slice of the
+        # buffer, so a compiled step's contiguity guards hold (no recompile) when the prefix reaches
+        # the capacity.
         for layer in self.layers:
-            layer.self_attn.kv_cache = StaticKVCache(slots, a.num_key_value_heads, capacity + 1, a.head_dim,
-                                                     dtype, device)
-        # Angles in fp32 on the CPU as transformers computes them (an elementwise product, not a matmul); the
-        # table is kept in the model's dtype because transformers casts it so before rotating.
-        inv_freq, scale = rope_frequencies(a)
-        angles = torch.arange(capacity, dtype=torch.float)[:, None] * inv_freq.repeat(2)  # both halves alike
-        self.register_buffer("rope_cos", (angles.cos() * scale).to(device, dtype), persistent=False)
-        signs = torch.tensor([-1.0, 1.0]).repeat_interleave(a.head_dim // 2)  # rotate_half's, in the table
-        self.register_buffer("rope_sin", (angles.sin() * scale * signs).to(device, dtype), persistent=False)
-        self.register_buffer("key_positions", torch.arange(capacity, device=device), persistent=False)
-        # torch._grouped_mm compiles for bf16 alone, and on CUDA it has a kernel for Hopper and Blackwell
-        # alone: elsewhere it loops over the experts reading where each one's rows end on the host, which a
-        # CUDA graph can't hold. MoE layers multiply by every expert where it doesn't apply.
-        hopper_or_blackwell = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (9, 10)
-        self.grouped_mm = dtype == torch.bfloat16 and (device.type == "cpu" or hopper_or_blackwell)
+            layer.self_attn.kv_cache = StaticKVCache(slots, args.num_key_value_heads, capacity + 1,
+                                                     args.head_dim, dtype, device)
+        # Angles in fp32 on the CPU as transformers computes them (a product, not a matmul); the
+        # tables in the model's dtype, as transformers casts them before rotating.
+        inv_freq, scale = rope_frequencies(args)
+        positions = torch.arange(capacity, dtype=torch.float)
+        angles = positions[:, None] * inv_freq.repeat(2)  # (capacity, head_dim): both halves alike
+        signs = torch.tensor([-1.0, 1.0]).repeat_interleave(args.head_dim // 2)  # rotate_half's
+        cos = angles.cos() * scale
+        sin = angles.sin() * scale * signs
+        self.register_buffer("rope_cos", cos.to(device, dtype), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device, dtype), persistent=False)
+        key_positions = torch.arange(capacity, device=device)
+        self.register_buffer("key_positions", key_positions, persistent=False)
+        # torch._grouped_mm compiles for bf16 alone, and on CUDA has kernels for Hopper and
+        # Blackwell alone: elsewhere it loops over the experts reading where each one's rows end on
+        # the host, which a CUDA graph can't hold. There MoE layers multiply by every expert
+        # instead.
+        on_cuda = device.type == "cuda"
+        hopper_or_blackwell = on_cuda and torch.cuda.get_device_capability(device)[0] in (9, 10)
+        grouped_mm = dtype == torch.bfloat16 and (not on_cuda or hopper_or_blackwell)
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.grouped_mm = grouped_mm
 
-    def forward(self, tokens: Tensor, positions: Tensor, kv_positions: Tensor | None,
-                rows: slice = slice(None), logits_at: Tensor | None = None, packed: Tensor | None = None,
-                use_kernels: bool = False) -> Tensor:
-        """tokens, positions: (R, T) for cache rows `rows`; kv_positions: the cache prefix to attend over (a
-        slice of key_positions covering every position written so far), or None for prompts at positions
-        0 ... T - 1, which attend causally among themselves (flash attention, no T x T mask). use_kernels: the
-        Triton kernels run where they apply (a single token). Returns logits (R, T, vocab), or with logits_at
-        (R, 1), the index of one token in each row, that token's (R, 1, vocab): then the last layer computes
-        its keys and values at every token (the cache needs them) but its queries, attention, o_proj and MLP
-        at those tokens alone, 1/layers of a prefill's work saved (8B, 32,000 tokens: 25 ms).
+    def forward(self, tokens: Tensor, positions: Tensor, kv_positions: Tensor | None = None,
+                first_row: int = 0, logits_at: Tensor | None = None,
+                packed: Tensor | None = None) -> Tensor:
+        """Logits (R, T, vocab) of tokens (R, T) at `positions` (R, T), in cache rows first_row ...
+        first_row + R - 1.
 
-        packed (N,), indices into the flattened (R, T) grid, with kv_positions None: the tokens that run, the
-        rest never computed (a batch of prompts padded to the longest: the padding). The projections and MLPs
-        see the N tokens alone, (1, N, hidden); attention puts them back on the grid, a row per prompt, where
-        the causal rule keeps every query to its row's keys; a token that didn't run has zeros there. So the
-        tokens of a row that run must be its first ones: its prompt, then padding (which the causal rule
-        hides from the prompt). Without logits_at, the logits are the packed tokens' (1, N, vocab)."""
-        if self.layers[0].self_attn.kv_cache is None:
+        kv_positions: the prefix of key_positions to attend over, covering every position written so
+        far; None for prompts at positions 0 ... T - 1, which attend causally among themselves
+        (flash attention, no T x T mask). logits_at (R, 1): the index of one token in each row; the
+        logits of those tokens alone, (R, 1, vocab), since a prefill needs no others. packed (N,),
+        with kv_positions None: indices into the flattened (R, T) grid of the tokens that run; the
+        others are never computed (the padding of a batch of prompts). Embeddings, products and MLPs
+        see the N tokens alone, (1, N, hidden); attention puts them back on the grid, where the
+        causal rule keeps each query to its row. A row's tokens that run must be its first ones.
+        Without logits_at, the logits are the packed tokens', (1, N, vocab)."""
+        if self.rope_cos is None:
             raise RuntimeError("call setup_cache(slots, capacity) before running the model")
-        fused = use_kernels and tokens.numel() == 1
-        mask = None  # the kernels need none, and read the RoPE tables at the positions themselves
-        cos, sin = self.rope_cos, self.rope_sin
-        if not fused:
-            cos, sin = cos[positions][:, :, None], sin[positions][:, :, None]
+        mask = None
         if kv_positions is None:
-            kv_positions = self.key_positions[:tokens.shape[1]]
-        elif not fused:
-            mask = (kv_positions <= positions[..., None])[:, None]  # causal: hides unwritten and stale slots
-        ctx = ForwardContext(rows=rows, positions=positions, cos=cos, sin=sin, mask=mask, packed=packed,
-                             kv_len=kv_positions.shape[0], fused=fused, grouped_mm=self.grouped_mm)
-        x = self.embed_tokens(tokens if packed is None else tokens.flatten()[packed][None])
-        for layer in self.layers[:-1]:
+            kv_len = tokens.shape[1]
+        else:
+            kv_len = kv_positions.shape[0]
+            # (R, 1, T, kv_len), causal: it hides the unwritten and stale positions too
+            mask = (kv_positions <= positions[..., None])[:, None]
+        cos = self.rope_cos[positions][:, :, None]
+        sin = self.rope_sin[positions][:, :, None]
+        ctx = ForwardContext(first_row=first_row, positions=positions, cos=cos, sin=sin,
+                             mask=mask, kv_len=kv_len, packed=packed)
+        x = self.embed_tokens(ctx.pack(tokens))
+        for layer in self.layers:
             x = layer(x, ctx)
-        if logits_at is not None:  # the last layer goes on from its keys and values at logits_at alone
-            query_positions = positions.take_along_dim(logits_at, dim=1)  # (R, 1)
-            ctx = replace(ctx, queries_at=logits_at, mask=kv_positions <= query_positions[..., None, None])
-        x = self.layers[-1](x, ctx)
-        return project(self.lm_head, x, norm=self.norm, fused=fused)
+        if logits_at is not None:
+            x = ctx.unpack(x).take_along_dim(logits_at[..., None], dim=1)  # (R, 1, hidden)
+        return self.lm_head(self.norm(x))
 
     def checkpoint_tensors(self) -> dict[str, Tensor]:
-        """What a converted checkpoint holds: the state but a tied lm_head, which is the embedding."""
+        """What a converted checkpoint holds: the state, but a tied lm_head, which is the
+        embedding."""
         state = self.state_dict()
         if self.args.tie_word_embeddings:
             del state["lm_head.weight"]
@@ -430,12 +482,14 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_checkpoint(cls, path: str, device, dtype) -> "Transformer":
-        """Loads a directory written by convert_hf_checkpoint.py, straight to `device` (no second copy)."""
+        """Loads a directory written by convert_hf_checkpoint.py, straight to `device` (no second
+        copy)."""
         from safetensors.torch import load_file
         config = pathlib.Path(path, "config.json")
         if not config.is_file():
-            raise UserError(f"no converted checkpoint at {path}: download a Hugging Face snapshot, convert "
-                            "it with convert_hf_checkpoint.py, and pass its output directory to --checkpoint")
+            raise UserError(f"no converted checkpoint at {path}: download a Hugging Face "
+                            "snapshot, convert it with convert_hf_checkpoint.py, and pass its "
+                            "output directory to --checkpoint")
         cfg = read_json(config)
         if "quantization" not in cfg:  # every config.json our converter writes has it
             raise UserError(f"{path} is a Hugging Face snapshot: convert it first "
@@ -449,19 +503,23 @@ class Transformer(nn.Module):
             try:
                 state.update(load_file(file, device=str(device)))
             except Exception as e:  # safetensors' own error type: a truncated or corrupt file
-                raise UserError(f"{file}: cannot be read ({e}); convert the checkpoint again") from None
-        state = {name: t if t.dtype == torch.int8 else t.to(dtype) for name, t in state.items()}
+                raise UserError(f"{file}: cannot be read ({e}); "
+                                "convert the checkpoint again") from None
+        for name, tensor in state.items():
+            if tensor.dtype != torch.int8:
+                state[name] = tensor.to(dtype)
         with torch.device("meta"):
             model = cls(args)
         expected = {name: t.shape for name, t in model.checkpoint_tensors().items()}
         found = {name: t.shape for name, t in state.items()}
-        mismatched = sorted(n for n in expected.keys() | found.keys() if expected.get(n) != found.get(n))
+        names = expected.keys() | found.keys()
+        mismatched = sorted(n for n in names if expected.get(n) != found.get(n))
         if mismatched:
-            raise UserError(f"{path}: weights do not match config.json ({len(mismatched)} tensors missing, "
-                            f"unexpected or of another shape, first {mismatched[0]}); convert the checkpoint "
-                            "again")
-        # The loaded tensors themselves, no copy; every one is checked above. A tied lm_head is not among
-        # them: it is the embedding again.
+            raise UserError(f"{path}: weights do not match config.json ({len(mismatched)} tensors "
+                            f"missing, unexpected or of another shape, first {mismatched[0]}); "
+                            "convert the checkpoint again")
+        # The loaded tensors themselves, no copy; every one is checked above. A tied lm_head is not
+        # among them: it is the embedding again.
         model.load_state_dict(state, strict=False, assign=True)
         if args.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight

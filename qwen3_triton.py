@@ -1,0 +1,438 @@
+"""The Triton fast path for decode steps on CUDA: model.py's one-token forward in six kernels a
+dense layer, and the top-k / top-p draw of generate.sample in two launches.
+
+A decode step at batch 1 reads every weight once and is bound by its many small kernels (each a
+launch gap and a ramp-up, even in a CUDA graph). So each product here is one matrix-vector kernel
+with its neighbours fused in: the RMSNorm before it, the SiLU gate, int8 dequantisation, the
+residual after it, and for MoE the router's picks and weights. Attention is one split-KV kernel for
+one query a row, with the q/k norms, RoPE and the cache write fused in, and a merge. Nothing here is
+needed: generate.py runs PyTorch's ops where this file, or Triton, is missing; the tests hold every
+kernel to model.py's ops.
+"""
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from model import Linear, MoE, Transformer
+
+
+def forward_one_token(model: Transformer, tokens: Tensor, positions: Tensor,
+                      kv_positions: Tensor) -> Tensor:
+    """model(tokens, positions, kv_positions) for one token, tokens and positions (1, 1): logits (1,
+    1, vocab). Layer by layer: the qkv product with the norm before it, attention, o_proj with the
+    residual, gate-up with the norm, down with the gate and the residual (MoE: the router, then the
+    picked experts' gate-up and down)."""
+    kv_len = kv_positions.shape[0]
+    x = model.embed_tokens(tokens)  # (1, 1, hidden)
+    for layer in model.layers:
+        attn = layer.self_attn
+        qkv = product(attn.qkv_proj, x, norm=layer.input_layernorm)
+        cache = attn.kv_cache
+        y = decode_attention(qkv, cache.k, cache.v, positions[:, 0], model.rope_cos, model.rope_sin,
+                             attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, attn.n_heads,
+                             kv_len)
+        x = product(attn.o_proj, y.view(1, 1, -1), residual=x)
+        norm = layer.post_attention_layernorm
+        mlp = layer.mlp
+        if isinstance(mlp, MoE):
+            router = product(mlp.gate, x, norm=norm).view(-1)  # (experts,) logits
+            routing = dict(router=router, top_k=mlp.top_k, norm_topk_prob=mlp.norm_topk_prob)
+            gate_up = product(mlp.gate_up_proj, x, norm=norm, **routing)  # (top_k, 1, 2 x inner)
+            x = product(mlp.down_proj, gate_up, gated=True, residual=x, routed=True, **routing)
+        else:
+            gate_up = product(mlp.gate_up_proj, x, norm=norm)
+            x = product(mlp.down_proj, gate_up, gated=True, residual=x)
+    return product(model.lm_head, x, norm=model.norm)
+
+
+def product(proj: Linear, x: Tensor, norm: torch.nn.RMSNorm | None = None, **fused) -> Tensor:
+    """proj(x) as one gemv; with `norm`, of norm(x), normalised as x is read."""
+    if norm is not None:
+        fused.update(norm=norm.weight, eps=norm.eps)
+    return gemv(x, proj.weight, scale=proj.scale, **fused)
+
+
+@triton.jit
+def _route(router, EXPERTS: tl.constexpr, TOP_K: tl.constexpr, NORM_TOPK: tl.constexpr,
+           EB: tl.constexpr, KB: tl.constexpr):
+    # A MoE router's picks from its logits, as MoE.forward makes them: softmax in fp32, the TOP_K
+    # most probable experts, renormalised to sum 1 with NORM_TOPK. Returns (ids, weights), vectors
+    # of KB (TOP_K rounded up to a power of two): pick i at index i.
+    e = tl.arange(0, EB)
+    p = tl.load(router + e, mask=e < EXPERTS, other=float("-inf")).to(tl.float32)
+    p = tl.exp(p - tl.max(p, axis=0))
+    p = p / tl.sum(p, axis=0)
+    rank = tl.arange(0, KB)
+    ids = tl.zeros([KB], tl.int32)
+    weights = tl.zeros([KB], tl.float32)
+    for i in tl.static_range(TOP_K):
+        best = tl.argmax(p, axis=0)
+        ids = tl.where(rank == i, best, ids)
+        weights = tl.where(rank == i, tl.max(p, axis=0), weights)
+        p = tl.where(e == best, -1.0, p)
+    if NORM_TOPK:
+        weights = weights / tl.sum(weights, axis=0)
+    return ids, weights
+
+
+@triton.jit
+def _gemv(x, w, scale, norm, res, out, router, N, K, x_row, eps: tl.constexpr,
+          NORM: tl.constexpr, GATED: tl.constexpr, SCALE: tl.constexpr, RES: tl.constexpr,
+          EXPERTS: tl.constexpr, TOP_K: tl.constexpr, NORM_TOPK: tl.constexpr,
+          ROUTED: tl.constexpr, TERMS: tl.constexpr, EB: tl.constexpr, KB: tl.constexpr,
+          BN: tl.constexpr, BK: tl.constexpr, PACK: tl.constexpr):
+    # out[j, n] = res[n] + scale[n] * sum_k w[n, k] * a[k], where a = x * norm / rms(x), or
+    # silu(x[:K]) * x[K:], or x. MoE: w and scale hold EXPERTS experts, of which the router's logits
+    # pick TOP_K, and output j uses pick j; or, ROUTED, one output sums the picks', each from its
+    # own input row x[t], weighted by its routing weight. int8 weights come as int32 words of PACK =
+    # 4 bytes, and integer operations make each byte an fp32 (the float bits 0x4B000000 | byte ^
+    # 0x80 are 2^23 + 128 + its value): a conversion instruction per byte would be the limit.
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    j = tl.program_id(1)
+    KW = K // PACK  # weight words per row
+    y = tl.zeros([BN], tl.float32)
+    expert = 0
+    if EXPERTS:
+        ids, weights = _route(router, EXPERTS, TOP_K, NORM_TOPK, EB, KB)
+    for t in tl.static_range(TERMS):  # TOP_K picks when ROUTED, else 1; unrolled: loads overlap
+        if EXPERTS:
+            pick = tl.arange(0, KB) == j + t
+            expert = tl.sum(tl.where(pick, ids, 0), axis=0)
+        xt = x + t * x_row
+        w_rows = w + expert * N * KW
+        acc = tl.zeros([BN, BK], tl.float32)
+        squares = tl.zeros([BK], tl.float32)
+        for k0 in range(0, KW, BK):
+            words = k0 + tl.arange(0, BK)
+            w_mask = (n[:, None] < N) & (words[None, :] < KW)
+            w_words = tl.load(w_rows + n[:, None] * KW + words[None, :], mask=w_mask, other=0)
+            for i in tl.static_range(PACK):
+                k = words * PACK + i
+                a = tl.load(xt + k, mask=k < K, other=0.0).to(tl.float32)
+                if GATED:
+                    up = tl.load(xt + K + k, mask=k < K, other=0.0).to(tl.float32)
+                    a = a * tl.sigmoid(a) * up
+                if NORM:  # 1/rms is applied at the end: it scales every output alike
+                    squares += a * a
+                    a = a * tl.load(norm + k, mask=k < K, other=0.0).to(tl.float32)
+                if PACK == 4:
+                    bits = ((w_words >> 8 * i) & 0xFF) ^ 0x4B000080
+                    wi = bits.to(tl.float32, bitcast=True) - 8388736.0
+                else:
+                    wi = w_words.to(tl.float32)
+                acc += wi * a[None, :]
+        yt = tl.sum(acc, axis=1)
+        if NORM:
+            yt = yt * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+        if SCALE:
+            s = tl.load(scale + expert * N + n, mask=n < N, other=0.0)
+            yt = yt * s.to(tl.float32)
+        if ROUTED:
+            yt = yt * tl.sum(tl.where(pick, weights, 0.0), axis=0)
+        y += yt
+    if RES:
+        y = y + tl.load(res + n, mask=n < N, other=0.0).to(tl.float32)
+    tl.store(out + j * N + n, y.to(out.dtype.element_ty), mask=n < N)
+
+
+# Launch configurations of _gemv by what it fuses into its input and how its weights are stored,
+# from sweeps on the H200 over the shapes of 0.6B, 8B and 30B-A3B, weighted by their count in a step
+# (bench/RESULTS.md): more rows per program where the work on x costs more, or for int8.
+GEMV_CONFIGS = {  # BN: weight rows per program, BK: weight words per block
+    ("norm", "float"): dict(BN=8, BK=512, num_warps=2),
+    ("gated", "float"): dict(BN=8, BK=1024, num_warps=4),
+    ("plain", "float"): dict(BN=2, BK=1024, num_warps=4),
+    ("norm", "int8"): dict(BN=16, BK=128, num_warps=4),
+    ("gated", "int8"): dict(BN=8, BK=512, num_warps=8),
+    ("plain", "int8"): dict(BN=8, BK=512, num_warps=4),
+    ("picked", "float"): dict(BN=16, BK=256, num_warps=1),  # MoE gate-up, 30B-A3B's shapes
+    ("routed", "float"): dict(BN=4, BK=1024, num_warps=4),  # MoE down
+    ("picked", "int8"): dict(BN=32, BK=128, num_warps=4),
+    ("routed", "int8"): dict(BN=8, BK=256, num_warps=4),
+}
+
+
+def fused_input(norm, gated: bool, router, routed: bool) -> str:
+    """What gemv does to its input, which picks its launch configuration."""
+    if router is not None:
+        return "routed" if routed else "picked"
+    if gated:
+        return "gated"
+    if norm is not None:
+        return "norm"
+    return "plain"
+
+
+# Custom ops: torch.compile calls them as they are, instead of analysing the kernels at each of
+# their call sites (five a layer), which would be most of its compile time.
+@torch.library.custom_op("qwen3_fast::gemv", mutates_args=())
+def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | None = None,
+         eps: float = 0.0, gated: bool = False, residual: Tensor | None = None,
+         router: Tensor | None = None, top_k: int = 0, norm_topk_prob: bool = False,
+         routed: bool = False) -> Tensor:
+    """residual + (weight @ a) * scale for one token x (1, 1, K), where a is RMSNorm(x) * norm with
+    `norm`, silu(gate) * up of x = [gate, up] with `gated`, else x. weight (N, K) in x's dtype, or
+    int8 (K a multiple of 4) with a `scale` per row. MoE: weight (experts, N, K), and the `router`
+    logits (experts,) pick top_k of them as MoE.forward does: (top_k, 1, N), an output per pick; or,
+    `routed`, with x (top_k, 1, K), the picks' sum weighted by their routing weights, (1, 1, N)."""
+    N, K = weight.shape[-2:]
+    experts = 0
+    if router is not None:
+        experts = router.shape[-1]
+    out = gemv_output(x, weight, router=router, top_k=top_k, routed=routed)
+    int8 = weight.dtype == torch.int8
+    storage = "int8" if int8 else "float"
+    config = GEMV_CONFIGS[fused_input(norm, gated, router, routed), storage]
+    words = weight
+    if int8:
+        words = weight.view(torch.int32)  # an int32 word holds 4 int8 weights
+    terms = top_k if routed else 1
+    routing = dict(EXPERTS=experts, TOP_K=top_k, NORM_TOPK=norm_topk_prob, ROUTED=routed,
+                   TERMS=terms, EB=triton.next_power_of_2(max(experts, 1)),
+                   KB=triton.next_power_of_2(max(top_k, 1)))
+    grid = (triton.cdiv(N, config["BN"]), out.shape[0])
+    # A None argument is a constexpr None to Triton: the branches that would read it are not
+    # compiled
+    _gemv[grid](x, words, scale, norm, residual, out, router, N, K, x.shape[-1], eps,
+                NORM=norm is not None, GATED=gated, SCALE=scale is not None,
+                RES=residual is not None, PACK=4 if int8 else 1, **routing, **config)
+    return out
+
+
+@gemv.register_fake
+def gemv_output(x, weight, scale=None, norm=None, eps=0.0, gated=False, residual=None, router=None,
+                top_k=0, norm_topk_prob=False, routed=False):
+    """gemv's output, uninitialised: (top_k, 1, N) for the picked experts, else (1, 1, N)."""
+    outputs = 1
+    if router is not None and not routed:
+        outputs = top_k
+    return x.new_empty(outputs, 1, weight.shape[-2])
+
+
+@triton.jit
+def _norm_rope(x, rows, row_mask, w, cos, sin, eps, HEAD_DIM: tl.constexpr, D: tl.constexpr):
+    # RMSNorm over each row's head_dim, times w, then RoPE in the split-halves layout: model.py's
+    # q_norm / k_norm and apply_rope, in fp32.
+    d = tl.arange(0, D)
+    half = HEAD_DIM // 2
+    partner = tl.where(d < half, d + half, d - half)  # rotate_half's partner of each dimension
+    mask = row_mask[:, None] & (d[None, :] < HEAD_DIM)
+    xd = tl.load(x + rows[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(x + rows[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    wd = tl.load(w + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
+    wp = tl.load(w + partner, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xd * xd, axis=1) / HEAD_DIM + eps)[:, None]
+    rotated = xp * wp[None, :] * sin[None, :]  # the sin table carries rotate_half's signs
+    return (xd * wd[None, :] * cos[None, :] + rotated) * rstd
+
+
+@triton.jit
+def _attention(qkv, k, v, pos, cos, sin, q_norm, k_norm, o, lse, qkv_row, cs_row, k_row, k_head,
+               k_pos, eps: tl.constexpr, sm_scale: tl.constexpr, GROUP: tl.constexpr,
+               HEAD_DIM: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+               SPLITS: tl.constexpr):
+    # Program (row r, kv head h, split s), from the row's fused q|k|v product: normalises and
+    # rotates the GROUP query heads of h, attends over the split's share of the keys at positions <=
+    # p, the query's (the cost follows the live length, not the cache's), and writes the normalised
+    # partial output and its log-sum-exp for _merge. The split whose share holds p first writes the
+    # new key (normalised and rotated) and value there; no other program reads position p.
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    g = tl.arange(0, G)
+    d = tl.arange(0, D)
+    d_mask = d < HEAD_DIM
+    p = tl.load(pos + r)
+    KV_HEADS = tl.num_programs(1)
+    H = GROUP * KV_HEADS
+    cs = tl.load(cos + p * cs_row + d, mask=d_mask, other=0.0).to(tl.float32)
+    sn = tl.load(sin + p * cs_row + d, mask=d_mask, other=0.0).to(tl.float32)
+    row = qkv + r * qkv_row
+    q_rows = (h * GROUP + g) * HEAD_DIM
+    qt = _norm_rope(row, q_rows, g < GROUP, q_norm, cs, sn, eps, HEAD_DIM, D)
+    qt = qt.to(k.dtype.element_ty)  # rounded as the model's activations are
+    cache = r * k_row + h * k_head
+    chunk = tl.cdiv(tl.cdiv(p + 1, SPLITS), BLOCK) * BLOCK
+    lo = s * chunk
+    hi = tl.minimum(lo + chunk, p + 1)
+    if (lo <= p) & (p < hi):
+        # The new key: one head, normalised as G rows of which row 0 alone is real, then summed
+        k_rows = tl.zeros([G], tl.int32) + (H + h) * HEAD_DIM
+        new_k = _norm_rope(row, k_rows, g < 1, k_norm, cs, sn, eps, HEAD_DIM, D)
+        new_k = tl.sum(new_k, axis=0).to(k.dtype.element_ty)
+        tl.store(k + cache + p * k_pos + d, new_k, mask=d_mask)
+        new_v = tl.load(row + (H + KV_HEADS + h) * HEAD_DIM + d, mask=d_mask)
+        tl.store(v + cache + p * k_pos + d, new_v.to(v.dtype.element_ty), mask=d_mask)
+        tl.debug_barrier()  # the stores are seen by all of this program's threads before the loads
+    m = tl.full([G], -1e30, tl.float32)
+    total = tl.zeros([G], tl.float32)  # the softmax's denominator so far
+    acc = tl.zeros([G, D], tl.float32)
+    for start in range(lo, hi, BLOCK):
+        j = start + tl.arange(0, BLOCK)
+        kv_mask = (j[:, None] < hi) & d_mask[None, :]
+        offsets = cache + j[:, None] * k_pos + d[None, :]
+        kt = tl.load(k + offsets, mask=kv_mask, other=0.0)
+        vt = tl.load(v + offsets, mask=kv_mask, other=0.0)
+        scores = tl.dot(qt, tl.trans(kt), input_precision="ieee") * sm_scale
+        scores = tl.where(j[None, :] < hi, scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        e = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        total = total * alpha + tl.sum(e, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(e.to(vt.dtype), vt, input_precision="ieee")
+        m = m_new
+    out = (r * H + h * GROUP + g) * SPLITS + s  # index into (rows, heads, SPLITS)
+    normalised = acc / tl.where(total > 0, total, 1.0)[:, None]
+    out_mask = (g[:, None] < GROUP) & d_mask[None, :]
+    tl.store(o + out[:, None] * HEAD_DIM + d[None, :], normalised, mask=out_mask)
+    tl.store(lse + out, m + tl.log(total), mask=g < GROUP)  # -inf for an empty split
+
+
+@triton.jit
+def _merge(o, lse, out, HEAD_DIM: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):
+    # One (row, head): the splits' outputs weighted by exp(lse) over their sum, which is exact
+    i = tl.program_id(0)
+    s = tl.arange(0, SPLITS)
+    d = tl.arange(0, D)
+    w = tl.load(lse + i * SPLITS + s)
+    w = tl.exp(w - tl.max(w, axis=0))
+    parts_at = (i * SPLITS + s[:, None]) * HEAD_DIM + d[None, :]
+    parts = tl.load(o + parts_at, mask=d[None, :] < HEAD_DIM)
+    y = tl.sum(parts * w[:, None], axis=0) / tl.sum(w, axis=0)
+    tl.store(out + i * HEAD_DIM + d, y.to(out.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@torch.library.custom_op("qwen3_fast::decode_attention", mutates_args=("cache_k", "cache_v"))
+def decode_attention(qkv: Tensor, cache_k: Tensor, cache_v: Tensor, positions: Tensor, cos: Tensor,
+                     sin: Tensor, q_norm: Tensor, k_norm: Tensor, eps: float, heads: int,
+                     kv_len: int) -> Tensor:
+    """One query per row: qkv (R, 1, (heads + 2 kv_heads) x head_dim), the fused product, at
+    positions (R,) of cache rows 0 ... R - 1 of cache_k / cache_v (slots, kv_heads, capacity,
+    head_dim), which get the new key and value there. cos / sin: the RoPE tables (positions,
+    head_dim), sin with rotate_half's signs (model.apply_rope); q_norm / k_norm: the RMSNorm
+    weights. Attends to the keys at positions <= the query's, split into programs per (row, kv head)
+    so that one row still fills the GPU; returns (R, heads, head_dim). kv_len bounds the positions
+    (the attended length) and sets the number of splits: a 64-key block each until there are 32,
+    then more blocks each (what measured best from 1,024 to 32,768 keys); any kv_len gives the same
+    result."""
+    splits = min(32, triton.next_power_of_2(triton.cdiv(kv_len, 64)))  # a power of two: the merge
+    rows = qkv.shape[0]
+    kv_heads = cache_k.shape[1]
+    head_dim = cache_k.shape[3]
+    partial = torch.empty(rows, heads, splits, head_dim, dtype=torch.float32, device=qkv.device)
+    lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=qkv.device)
+    D = max(16, triton.next_power_of_2(head_dim))  # tl.dot wants blocks of at least 16
+    group = heads // kv_heads
+    k_row, k_head, k_pos, _ = cache_k.stride()
+    _attention[(rows, kv_heads, splits)](
+        qkv, cache_k, cache_v, positions, cos, sin, q_norm, k_norm, partial, lse, qkv.stride(0),
+        cos.stride(0), k_row, k_head, k_pos, eps=eps, sm_scale=head_dim ** -0.5, GROUP=group,
+        HEAD_DIM=head_dim, G=max(16, triton.next_power_of_2(group)), D=D, BLOCK=64,
+        SPLITS=splits)
+    out = torch.empty(rows, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    _merge[(rows * heads,)](partial, lse, out, HEAD_DIM=head_dim, D=D, SPLITS=splits)
+    return out
+
+
+@decode_attention.register_fake
+def _(qkv, cache_k, cache_v, positions, cos, sin, q_norm, k_norm, eps, heads, kv_len):
+    return qkv.new_empty(qkv.shape[0], heads, cache_k.shape[-1])
+
+
+# The sampler: the top-k candidates of each row in two stages (the K largest of each chunk of
+# SAMPLE_CHUNK logits, then the K largest of those), then top-p and the Gumbel-max draw over them.
+SAMPLE_CHUNK = 1024
+MAX_TOP_K = 64  # larger top-k filters sample with PyTorch's ops
+
+
+@triton.jit
+def _largest(values, ids, K: tl.constexpr, KB: tl.constexpr):
+    # The K largest of `values` and their `ids`, largest first: vectors of KB (K rounded up to a
+    # power of two), -inf past K. K rounds of take-the-largest.
+    rank = tl.arange(0, KB)
+    top = tl.full([KB], float("-inf"), tl.float32)
+    top_ids = tl.zeros([KB], tl.int32)
+    index = tl.arange(0, values.shape[0])
+    for i in range(K):
+        best = tl.argmax(values, axis=0)
+        top = tl.where(rank == i, tl.max(values, axis=0), top)
+        chosen = tl.sum(tl.where(index == best, ids, 0), axis=0)
+        top_ids = tl.where(rank == i, chosen, top_ids)
+        values = tl.where(index == best, float("-inf"), values)
+    return top, top_ids
+
+
+@triton.jit
+def _chunk_top_k(logits, row_stride, V, top, top_ids, K: tl.constexpr, KB: tl.constexpr,
+                 CHUNK: tl.constexpr):
+    # Program (row r, chunk c): the K largest logits of the chunk and their ids, into (R, chunks,
+    # KB)
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    ids = c * CHUNK + tl.arange(0, CHUNK)
+    values = tl.load(logits + r * row_stride + ids, mask=ids < V, other=float("-inf"))
+    best, best_ids = _largest(values, ids, K, KB)
+    at = (r * tl.num_programs(1) + c) * KB + tl.arange(0, KB)
+    tl.store(top + at, best)
+    tl.store(top_ids + at, best_ids)
+
+
+@triton.jit
+def _draw(top, top_ids, count, noise, out, temperature, top_p, K: tl.constexpr, KB: tl.constexpr,
+          NB: tl.constexpr, TOP_P: tl.constexpr):
+    # Program r: the K largest of the row's `count` candidates, largest first, divided by the
+    # temperature; with TOP_P, those past the smallest head whose mass reaches top_p masked out;
+    # then argmax(score - log(-log(u))) with u the row's noise (K,): generate.sample's steps, in its
+    # order.
+    r = tl.program_id(0)
+    at = tl.arange(0, NB)
+    mask = at < count
+    values = tl.load(top + r * count + at, mask=mask, other=float("-inf"))
+    ids = tl.load(top_ids + r * count + at, mask=mask, other=0)
+    best, best_ids = _largest(values, ids, K, KB)
+    rank = tl.arange(0, KB)
+    scores = best / temperature
+    if TOP_P:
+        e = tl.exp(scores - tl.max(scores, axis=0))
+        probs = e / tl.sum(e, axis=0)
+        before = tl.cumsum(probs, axis=0) - probs  # the mass of the candidates ahead of each
+        scores = tl.where(before >= top_p, float("-inf"), scores)
+    u = tl.load(noise + r * K + rank, mask=rank < K, other=0.5)
+    gumbel = scores - tl.log(-tl.log(u))
+    gumbel = tl.where(rank < K, gumbel, float("-inf"))
+    choice = tl.argmax(gumbel, axis=0)
+    token = tl.sum(tl.where(rank == choice, best_ids, 0), axis=0)
+    tl.store(out + r, token.to(tl.int64))
+
+
+@torch.library.custom_op("qwen3_fast::top_k_draw", mutates_args=())
+def top_k_draw(logits: Tensor, noise: Tensor, temperature: float, top_p: float) -> Tensor:
+    """Next ids (R,) from fp32 logits (R, V): the top-k candidates, k = noise.shape[1], top-p and
+    the Gumbel-max draw with noise (R, k), uniform in (0, 1)."""
+    rows, vocab = logits.shape
+    top_k = noise.shape[1]
+    kb = triton.next_power_of_2(top_k)
+    chunks = triton.cdiv(vocab, SAMPLE_CHUNK)
+    top = torch.empty(rows, chunks, kb, dtype=torch.float32, device=logits.device)
+    top_ids = torch.empty(rows, chunks, kb, dtype=torch.int32, device=logits.device)
+    _chunk_top_k[(rows, chunks)](logits, logits.stride(0), vocab, top, top_ids, K=top_k, KB=kb,
+                                 CHUNK=SAMPLE_CHUNK)
+    count = chunks * kb
+    out = torch.empty(rows, dtype=torch.long, device=logits.device)
+    _draw[(rows,)](top, top_ids, count, noise, out, temperature, top_p, K=top_k, KB=kb,
+                   NB=triton.next_power_of_2(count), TOP_P=top_p < 1)
+    return out
+
+
+@top_k_draw.register_fake
+def _(logits, noise, temperature, top_p):
+    return logits.new_empty(logits.shape[0], dtype=torch.long)
+
+
+def sample_top_k(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
+    """generate.sample for a top-k filter (0 < top_k <= MAX_TOP_K): the same ids (R,) from logits
+    (R, V), from the same noise, drawn here as generate.sample draws it."""
+    scores = logits.float()  # a copy: inductor lowers the product's output slowly without it
+    noise = torch.rand(scores.shape[0], top_k, device=scores.device)
+    return top_k_draw(scores, noise, temperature, top_p)
