@@ -1,13 +1,13 @@
-"""Converts a Hugging Face Qwen3 or Qwen3-MoE snapshot into qwen3-fast weights (fused qkv and gate-up,
-each MoE layer's experts stacked; safetensors).
+"""Converts a Hugging Face Qwen3 or Qwen3-MoE snapshot into qwen3-fast weights (fused qkv and gate-
+up, each MoE layer's experts stacked; safetensors).
 
     python convert_hf_checkpoint.py --checkpoint-dir checkpoints/Qwen/Qwen3-8B  # .../converted
     python convert_hf_checkpoint.py --checkpoint-dir checkpoints/Qwen/Qwen3-8B --int8  # ...-int8
 
 Tensors are read one at a time and written in shards, so memory stays near one shard whatever the
 model's size. The output is written to a hidden directory beside its destination and renamed into
-place when complete; nothing that exists is replaced, and a failure, Ctrl-C, SIGTERM or SIGHUP leaves
-nothing behind.
+place when complete; nothing that exists is replaced, and a failure, Ctrl-C, SIGTERM or SIGHUP
+leaves nothing behind.
 """
 import contextlib
 import dataclasses
@@ -166,8 +166,8 @@ def main(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint-dir", required=True,
                         help="a Hugging Face Qwen3 snapshot (config.json + *.safetensors)")
-    parser.add_argument("--output",
-                        help="where to write (default: CHECKPOINT_DIR/converted, or converted-int8)")
+    parser.add_argument("--output", help="where to write (default: CHECKPOINT_DIR/converted, "
+                        "or converted-int8)")
     parser.add_argument("--int8", action="store_true",
                         help="int8 weight-only (the blocks, an untied lm_head)")
     parser.add_argument("--shard-size-mb", type=POSITIVE, default=2048,

@@ -177,19 +177,14 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | 
     logits (experts,) pick top_k of them as MoE.forward does: (top_k, 1, N), an output per pick; or,
     `routed`, with x (top_k, 1, K), the picks' sum weighted by their routing weights, (1, 1, N)."""
     N, K = weight.shape[-2:]
-    experts = 0
-    if router is not None:
-        experts = router.shape[-1]
+    experts = 0 if router is None else router.shape[-1]
     out = gemv_output(x, weight, router=router, top_k=top_k, routed=routed)
     int8 = weight.dtype == torch.int8
-    storage = "int8" if int8 else "float"
-    config = GEMV_CONFIGS[fused_input(norm, gated, router, routed), storage]
-    words = weight
-    if int8:
-        words = weight.view(torch.int32)  # an int32 word holds 4 int8 weights
-    terms = top_k if routed else 1
+    config = GEMV_CONFIGS[fused_input(norm, gated, router, routed), "int8" if int8 else "float"]
+    # An int32 word holds 4 int8 weights
+    words = weight.view(torch.int32) if int8 else weight
     routing = dict(EXPERTS=experts, TOP_K=top_k, NORM_TOPK=norm_topk_prob, ROUTED=routed,
-                   TERMS=terms, EB=triton.next_power_of_2(max(experts, 1)),
+                   TERMS=top_k if routed else 1, EB=triton.next_power_of_2(max(experts, 1)),
                    KB=triton.next_power_of_2(max(top_k, 1)))
     grid = (triton.cdiv(N, config["BN"]), out.shape[0])
     # A None argument is a constexpr None to Triton: the branches that would read it are not
@@ -204,10 +199,8 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | 
 def gemv_output(x, weight, scale=None, norm=None, eps=0.0, gated=False, residual=None, router=None,
                 top_k=0, norm_topk_prob=False, routed=False):
     """gemv's output, uninitialised: (top_k, 1, N) for the picked experts, else (1, 1, N)."""
-    outputs = 1
-    if router is not None and not routed:
-        outputs = top_k
-    return x.new_empty(outputs, 1, weight.shape[-2])
+    picked = router is not None and not routed
+    return x.new_empty(top_k if picked else 1, 1, weight.shape[-2])
 
 
 @triton.jit
@@ -237,9 +230,7 @@ def _attention(qkv, k, v, pos, cos, sin, q_norm, k_norm, o, lse, qkv_row, cs_row
     # p, the query's (the cost follows the live length, not the cache's), and writes the normalised
     # partial output and its log-sum-exp for _merge. The split whose share holds p first writes the
     # new key (normalised and rotated) and value there; no other program reads position p.
-    r = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.program_id(2)
+    r, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # row, kv head, split
     g = tl.arange(0, G)
     d = tl.arange(0, D)
     d_mask = d < HEAD_DIM

@@ -1,7 +1,8 @@
 """Tests for qwen3-fast. transformers' Qwen3ForCausalLM and Qwen3MoeForCausalLM are the oracles.
 
-Topics in order: model parity, cache, converter, sampling, decode modes, CLI, kernels. Tests marked needs_cuda
-skip without a GPU; the kernel tests also run on the CPU in Triton's interpreter, in a subprocess."""
+Topics in order: model parity, cache, converter, sampling, decode modes, CLI, kernels. Tests marked
+needs_cuda skip without a GPU; the kernel tests also run on the CPU in Triton's interpreter, in a
+subprocess."""
 import inspect
 import io
 import json
@@ -36,16 +37,16 @@ GREEDY = G.SamplingParams()
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
-    """Every Generator compiles the same step function anew: without a reset, a run of compiling tests reaches
-    dynamo's recompile limit (8), which fails with fullgraph=True."""
+    """Every Generator compiles the same step function anew: without a reset, a run of compiling
+    tests reaches dynamo's recompile limit (8), which fails with fullgraph=True."""
     torch._dynamo.reset()
 
 
 def hf_checkpoint(path, *, hidden=64, heads=4, kv_heads=2, head_dim=16, layers=2, tied=False, sharded=False,
                   old_rope=False, dtype=torch.float32, seed=0, vocab=VOCAB, moe=None, rope=None):
-    """A random Qwen3 snapshot written by transformers itself (save_pretrained); with `moe` (settings of
-    Qwen3MoeConfig), a Qwen3-MoE one with 8 experts of which 2 are picked unless `moe` says otherwise; with
-    `rope`, those rope_parameters."""
+    """A random Qwen3 snapshot written by transformers itself (save_pretrained); with `moe`
+    (settings of Qwen3MoeConfig), a Qwen3-MoE one with 8 experts of which 2 are picked unless `moe`
+    says otherwise; with `rope`, those rope_parameters."""
     import transformers
     common = dict(hidden_size=hidden, intermediate_size=2 * hidden + 32, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
@@ -82,8 +83,8 @@ TOKENIZER_FILES = {}  # name -> text, built once
 
 
 def write_tokenizer(path):
-    """A tiny byte-level BPE tokenizer with Qwen3's chat tokens, built with the tokenizers library, and the
-    files of a hub snapshot around it: tokenizer_config.json with Qwen3's chat template, and
+    """A tiny byte-level BPE tokenizer with Qwen3's chat tokens, built with the tokenizers library,
+    and the files of a hub snapshot around it: tokenizer_config.json with Qwen3's chat template, and
     generation_config.json with Qwen3's sampling settings."""
     if not TOKENIZER_FILES:
         TOKENIZER_FILES.update(build_tokenizer_files())
@@ -139,8 +140,8 @@ def load(path, slots=1, capacity=256, dtype=torch.float32, device="cpu"):
 
 
 def forward(model, tokens, start=0, row=0, use_kernels=False):
-    """Runs tokens (list) through cache row `row` from position `start`; logits (T, vocab). use_kernels:
-    one token through the fast path's forward_one_token instead (row 0)."""
+    """Runs tokens (list) through cache row `row` from position `start`; logits (T, vocab).
+    use_kernels: one token through the fast path's forward_one_token instead (row 0)."""
     t = torch.tensor([tokens], device=model.norm.weight.device)
     pos = torch.arange(start, start + len(tokens), device=t.device)[None]
     kv_positions = model.key_positions[:start + len(tokens)]
@@ -151,7 +152,8 @@ def forward(model, tokens, start=0, row=0, use_kernels=False):
 
 
 def set_grouped_mm(model, grouped_mm):
-    """Whether the model's MoE layers multiply by the picked experts alone (see model.expert_products)."""
+    """Whether the model's MoE layers multiply by the picked experts alone (see
+    model.expert_products)."""
     for module in model.modules():
         if isinstance(module, M.MoE):
             module.grouped_mm = grouped_mm
@@ -180,8 +182,8 @@ def cli(*args, stdin=None, cwd=None, env=None, script=None):
 
 
 def with_patch(patch, script, *args, stdin=None):
-    """Runs `script` (generate.py or convert_hf_checkpoint.py) as a CLI after the Python code `patch`: how the
-    tests press Ctrl-C at a chosen moment."""
+    """Runs `script` (generate.py or convert_hf_checkpoint.py) as a CLI after the Python code
+    `patch`: how the tests press Ctrl-C at a chosen moment."""
     code = "\n".join(["import sys", f"sys.path.insert(0, {HERE!r})",
                       f"sys.argv = [{script!r}, *{list(args)!r}]",
                       "import generate, convert_hf_checkpoint", textwrap.dedent(patch),
@@ -190,7 +192,8 @@ def with_patch(patch, script, *args, stdin=None):
                           timeout=300)
 
 
-# For with_patch: Ctrl-C pressed while the text of the second check (the first decode steps) is being shown.
+# For with_patch: Ctrl-C pressed while the text of the second check (the first decode steps) is
+# being shown.
 CTRL_C_AT_THE_SECOND_CHECK = """
     calls = []
     original = generate.TextStream.__call__
@@ -203,8 +206,8 @@ CTRL_C_AT_THE_SECOND_CHECK = """
 
 
 def one_line_error(r, message):
-    """A CLI refusal: exit 1, and one line starting with 'error:', naming the problem, last on stderr (after
-    progress lines such as "loading ..."); no traceback."""
+    """A CLI refusal: exit 1, and one line starting with 'error:', naming the problem, last on
+    stderr (after progress lines such as "loading ..."); no traceback."""
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1, (r.returncode, r.stderr)
     assert lines[-1].startswith("error: ") and message in lines[-1], r.stderr
@@ -213,7 +216,8 @@ def one_line_error(r, message):
 
 # ---------------------------------------------------------------- model parity with transformers
 
-# tied/untied; head_dim != hidden/heads; GQA ratio 1, 2, 4; single-file and sharded; old and new rope
+# tied/untied; head_dim != hidden/heads; GQA ratio 1, 2, 4; single-file and sharded; old and new
+# rope
 PARITY = {
     "tied-gqa1-hd24-single-newrope": dict(tied=True, heads=4, kv_heads=4, head_dim=24),
     "untied-gqa2-sharded-oldrope": dict(tied=False, heads=4, kv_heads=2, head_dim=16, sharded=True,
@@ -239,8 +243,8 @@ def test_parity_with_transformers_fp32(tmp_path, name):
 
 
 def assert_parity(hf, ours, steps=40):
-    """fp32 logits within 1e-4 of transformers' and the same greedy tokens, over a prompt and `steps` tokens
-    decoded one at a time through our StaticKVCache."""
+    """fp32 logits within 1e-4 of transformers' and the same greedy tokens, over a prompt and
+    `steps` tokens decoded one at a time through our StaticKVCache."""
     torch.manual_seed(1)
     prompt = torch.randint(0, VOCAB, (1, 12))
     worst = 0.0
@@ -261,8 +265,8 @@ def assert_parity(hf, ours, steps=40):
     assert worst <= 1e-4, worst
 
 
-# norm_topk_prob on and off; every layer sparse, or dense ones by mlp_only_layers and decoder_sparse_step 2;
-# GQA 2 and 4; top-1; tied. Each with the layers that are sparse.
+# norm_topk_prob on and off; every layer sparse, or dense ones by mlp_only_layers and
+# decoder_sparse_step 2; GQA 2 and 4; top-1; tied. Each with the layers that are sparse.
 MOE_PARITY = {
     "normed-all-sparse-gqa2": (dict(moe=dict(norm_topk_prob=True)), [0, 1]),  # transformers' default: off
     "unnormed-mixed-gqa4": (dict(layers=4, heads=8, kv_heads=2, head_dim=8, sharded=True,
@@ -276,8 +280,9 @@ MOE_PARITY = {
 @pytest.mark.parametrize("grouped_mm", [False, True], ids=["every-expert", "picked-experts"])
 @pytest.mark.parametrize("name", MOE_PARITY)
 def test_moe_parity_with_transformers_fp32(tmp_path, name, grouped_mm):
-    """Both ways of multiplying by the experts: every expert on every token (fp32's, by default), and each
-    token's picked experts alone in one grouped product (bf16's; on the CPU it runs in fp32 too, eagerly)."""
+    """Both ways of multiplying by the experts: every expert on every token (fp32's, by default),
+    and each token's picked experts alone in one grouped product (bf16's; on the CPU it runs in fp32
+    too, eagerly)."""
     kw, sparse = MOE_PARITY[name]
     hf, path = converted(tmp_path, **kw)
     ours = load(path, capacity=128)
@@ -289,8 +294,9 @@ def test_moe_parity_with_transformers_fp32(tmp_path, name, grouped_mm):
 
 
 def test_grouped_expert_products_equal_every_expert_products():
-    """Rows sorted by expert, some experts with no rows (the first, a middle one, the last), some with one:
-    the grouped product gives each row its own expert's product, as every expert on every row does."""
+    """Rows sorted by expert, some experts with no rows (the first, a middle one, the last), some
+    with one: the grouped product gives each row its own expert's product, as every expert on every
+    row does."""
     torch.manual_seed(0)
     experts = torch.tensor([1, 1, 1, 2, 4, 4, 5, 5, 5, 5, 6])  # of 8: 0, 3 and 7 have none
     rows, weight = torch.randn(len(experts), 24), torch.randn(8, 40, 24)
@@ -322,7 +328,8 @@ def test_yarn_parity_with_transformers_fp32(tmp_path, yarn):
 
 
 def test_parity_with_transformers_bf16(tmp_path):
-    """bf16 against bf16 transformers: both round at the same places, so logits stay within a few ulps."""
+    """bf16 against bf16 transformers: both round at the same places, so logits stay within a few
+    ulps."""
     hf, path = converted(tmp_path, dtype=torch.bfloat16, heads=8, kv_heads=2, head_dim=32)
     ours = load(path, capacity=128, dtype=torch.bfloat16)
     torch.manual_seed(2)
@@ -371,7 +378,8 @@ def test_config_variants():
 
 
 def test_model_py_alone_runs_the_pytorch_path(tiny, tmp_path):
-    """model.py copied into another project: PyTorch alone (it imports nothing of ours), and our logits."""
+    """model.py copied into another project: PyTorch alone (it imports nothing of ours), and our
+    logits."""
     shutil.copy(os.path.join(HERE, "model.py"), tmp_path)
     code = textwrap.dedent(f"""
         import sys
@@ -390,7 +398,8 @@ def test_model_py_alone_runs_the_pytorch_path(tiny, tmp_path):
 
 
 def test_the_card_files_work_without_the_fast_path(tiny, tmp_path):
-    """model.py, generate.py and the converter without qwen3_triton.py: they convert and generate."""
+    """model.py, generate.py and the converter without qwen3_triton.py: they convert and
+    generate."""
     for name in ("model.py", "generate.py", "convert_hf_checkpoint.py"):
         shutil.copy(os.path.join(HERE, name), tmp_path)
     hf_checkpoint(str(tmp_path / "hf"))
@@ -480,8 +489,8 @@ def current_umask():
 
 
 def write_random_snapshot(src, args: ModelArgs) -> tuple[int, dict]:
-    """A Hugging Face-layout snapshot of random fp32 weights in ~60 MB shards, every expert a tensor of its
-    own; returns its bytes and its weight map."""
+    """A Hugging Face-layout snapshot of random fp32 weights in ~60 MB shards, every expert a tensor
+    of its own; returns its bytes and its weight map."""
     src.mkdir()
     fields = {k: v for k, v in vars(args).items() if k != "quantization"}
     moe = args.num_experts > 0
@@ -540,7 +549,8 @@ def peak_memory_of_converting(src) -> int:
 
 
 def test_convert_memory_stays_bounded(tmp_path):
-    """Converting a ~650 MB sharded checkpoint takes far less memory than its size (a tensor at a time)."""
+    """Converting a ~650 MB sharded checkpoint takes far less memory than its size (a tensor at a
+    time)."""
     args = ModelArgs(hidden_size=512, intermediate_size=2048, num_hidden_layers=40, num_attention_heads=8,
                      num_key_value_heads=4, head_dim=64, vocab_size=8000, tie_word_embeddings=False)
     src = tmp_path / "big"
@@ -559,8 +569,8 @@ def test_convert_memory_stays_bounded(tmp_path):
 
 
 def test_convert_moe_memory_does_not_grow_with_the_model(tmp_path):
-    """A MoE checkpoint of 3,840 expert tensors (64 experts x 3 x 20 layers, 550 MB) converts in the memory of
-    one of half its layers: a layer's experts at a time, stacked."""
+    """A MoE checkpoint of 3,840 expert tensors (64 experts x 3 x 20 layers, 550 MB) converts in the
+    memory of one of half its layers: a layer's experts at a time, stacked."""
     used, total = {}, {}
     for layers in (10, 20):
         args = ModelArgs(hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
@@ -683,8 +693,9 @@ def test_convert_ctrl_c_exits_130_and_leaves_nothing(snapshot, tmp_path):
 
 
 def test_convert_write_errors_are_one_line_and_leave_nothing(snapshot, tmp_path, capsys, monkeypatch):
-    """A full disk shows as safetensors' own error while a shard is written, or as an OSError while the
-    other files are; both are one line, and the partial output and the directories made for it are gone."""
+    """A full disk shows as safetensors' own error while a shard is written, or as an OSError while
+    the other files are; both are one line, and the partial output and the directories made for it
+    are gone."""
     from safetensors import SafetensorError
     out = tmp_path / "new" / "nested" / "out"
     argv = ["--checkpoint-dir", str(snapshot), "--output", str(out)]
@@ -704,7 +715,8 @@ def test_convert_write_errors_are_one_line_and_leave_nothing(snapshot, tmp_path,
 
 
 def test_convert_into_the_current_directory_is_refused_in_one_line(snapshot, tmp_path, monkeypatch, capsys):
-    """--output . names an existing directory, even an empty one: refused, and nothing written beside it."""
+    """--output . names an existing directory, even an empty one: refused, and nothing written
+    beside it."""
     empty = tmp_path / "empty"
     empty.mkdir()
     monkeypatch.chdir(empty)
@@ -715,7 +727,8 @@ def test_convert_into_the_current_directory_is_refused_in_one_line(snapshot, tmp
 
 @pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGHUP"])
 def test_convert_stopped_by_a_signal_leaves_nothing(snapshot, tmp_path, signal_name):
-    """A closed terminal or `timeout` while a shard is being written: as Ctrl-C, the hidden output goes."""
+    """A closed terminal or `timeout` while a shard is being written: as Ctrl-C, the hidden output
+    goes."""
     out = tmp_path / "a" / "b"
     patch = f"""
         import os, signal
@@ -780,8 +793,9 @@ def test_int8_quality_against_fp32(tmp_path, tied, moe):
     assert cos >= 0.999 and rel < 0.05
     agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()  # next-token choices on the same prefixes
     assert agree >= 0.9
-    # Free decoding from 8 prompts: how long int8 keeps fp32's greedy tokens. A random tiny model has
-    # near-ties (and in MoE, near-tied routing) that int8 flips early on some prompts: the median is long.
+    # Free decoding from 8 prompts: how long int8 keeps fp32's greedy tokens. A random tiny model
+    # has near-ties (and in MoE, near-tied routing) that int8 flips early on some prompts: the
+    # median is long.
     prompts = [prompt[i:i + 8] for i in range(0, 64, 8)]
     out_ref = greedy(path, prompts, max_new=64)
     out_q8 = greedy(str(tmp_path / "int8"), prompts, max_new=64)
@@ -797,7 +811,8 @@ def test_int8_quality_against_fp32(tmp_path, tied, moe):
 
 
 def test_int8_checkpoint_with_a_bf16_lm_head_is_refused_in_one_line(tmp_path):
-    # untied int8 checkpoints written before lm_head was quantized: lm_head.weight in float, no lm_head.scale
+    # untied int8 checkpoints written before lm_head was quantized: lm_head.weight in float, no
+    # lm_head.scale
     hf, path = converted(tmp_path)
     convert.convert(str(tmp_path / "hf"), str(tmp_path / "int8"), int8=True)
     shards = sorted((tmp_path / "int8").glob("*.safetensors"))
@@ -836,8 +851,8 @@ def test_int8_bad_inputs(tmp_path, capsys):
 # ---------------------------------------------------------------- sampling
 
 def exact_filtered(logits, temperature, top_k, top_p):
-    """The distribution sample() should draw from, the slow obvious way, in transformers' order: temperature,
-    top-k, renormalise, then top-p (the smallest head whose mass reaches top_p)."""
+    """The distribution sample() should draw from, the slow obvious way, in transformers' order:
+    temperature, top-k, renormalise, then top-p (the smallest head whose mass reaches top_p)."""
     p = torch.softmax(logits.double() / temperature, -1)
     order = p.argsort(descending=True).tolist()
     if top_k:
@@ -909,16 +924,17 @@ def test_sampling_settings_from_generation_config_are_checked_as_flags_are():
 @pytest.mark.parametrize("bucketed", [False, True], ids=["to-the-longest", "to-the-bucket"])
 @pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe"])
 def test_padded_batch_prefill_equals_each_prompt_alone(checkpoint, bucketed, request):
-    """One forward for prompts of different lengths, padded after each prompt's end (to the longest, as
-    eagerly, or to its bucket, 64, as compiled or graphed), their 55 tokens packed into 64 that run: each
-    row's logits at its last real token (fp32, 1e-5) and its cache at every real position are those of the
-    prompt alone."""
+    """One forward for prompts of different lengths, padded after each prompt's end (to the longest,
+    as eagerly, or to its bucket, 64, as compiled or graphed), their 55 tokens packed into 64 that
+    run: each row's logits at its last real token (fp32, 1e-5) and its cache at every real position
+    are those of the prompt alone."""
     path = request.getfixturevalue(checkpoint)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7], [1, 8, 2, 8, 1], list(range(1, 41))]
     gen = generator(path, batch=4)
     gen.bucketed = bucketed
     gen.prefill(prompts)
-    # 64 tokens ran: the 55 of the prompts, then the first 9 of the padding in the grid's order (row 0's)
+    # 64 tokens ran: the 55 of the prompts, then the first 9 of the padding in the grid's order (row
+    # 0's)
     k = gen.model.layers[0].self_attn.kv_cache.k
     assert k[0, :, 8 + 8].any() and not k[0, :, 8 + 9].any() and not k[1, :, 2].any()
     batch_caches = [layer.self_attn.kv_cache for layer in gen.model.layers]
@@ -943,9 +959,10 @@ def test_padded_batch_prefill_equals_each_prompt_alone(checkpoint, bucketed, req
 
 @pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe"])
 def test_packed_tokens_equal_the_whole_grid(checkpoint, request):
-    """packed: the projections and MLPs run the prompts' tokens and two of the padding alone, attention on
-    the grid. The logits at each row's last token and at every packed token (fp32, 1e-5) and the cache at
-    every real position equal those of the whole grid; a padding token that didn't run left zeros."""
+    """packed: the projections and MLPs run the prompts' tokens and two of the padding alone,
+    attention on the grid. The logits at each row's last token and at every packed token (fp32,
+    1e-5) and the cache at every real position equal those of the whole grid; a padding token that
+    didn't run left zeros."""
     path = request.getfixturevalue(checkpoint)
     torch.manual_seed(3)
     lengths = [16, 5, 9]
@@ -975,8 +992,8 @@ def test_packed_tokens_equal_the_whole_grid(checkpoint, request):
 
 @pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe"])
 def test_logits_at_gives_those_tokens_logits_alone(checkpoint, request):
-    """With logits_at, one token's logits per row, (R, 1, vocab): the full forward's at those tokens (fp32,
-    1e-5), through the causal path and the masked one."""
+    """With logits_at, one token's logits per row, (R, 1, vocab): the full forward's at those tokens
+    (fp32, 1e-5), through the causal path and the masked one."""
     path = request.getfixturevalue(checkpoint)
     torch.manual_seed(5)
     tokens = torch.randint(0, VOCAB, (2, 40))
@@ -993,8 +1010,8 @@ def test_logits_at_gives_those_tokens_logits_alone(checkpoint, request):
 
 
 def test_causal_prompt_path_equals_the_masked_one(tiny):
-    """A prompt from position 0 attends causally without a mask (kv_positions None: flash attention on CUDA);
-    the same prompt through the position mask gives the same logits."""
+    """A prompt from position 0 attends causally without a mask (kv_positions None: flash attention
+    on CUDA); the same prompt through the position mask gives the same logits."""
     torch.manual_seed(9)
     prompt = torch.randint(0, VOCAB, (2, 300))
     model = load(tiny, slots=2, capacity=512)
@@ -1017,8 +1034,8 @@ def test_greedy_decode_equals_full_recomputation(tiny):
 
 @pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe"])
 def test_compile_matches_eager_on_cpu_sampled_with_one_seed(checkpoint, request):
-    """The same seed gives the same sampled tokens compiled and eager: compiled code draws its noise with
-    eager's random functions (inductor's fallback_random), in the same order."""
+    """The same seed gives the same sampled tokens compiled and eager: compiled code draws its noise
+    with eager's random functions (inductor's fallback_random), in the same order."""
     tiny = request.getfixturevalue(checkpoint)
     from torch._dynamo.utils import counters
     counters.clear()
@@ -1027,8 +1044,8 @@ def test_compile_matches_eager_on_cpu_sampled_with_one_seed(checkpoint, request)
     runs = {}
     for mode, seed in [("compile", 0), ("eager", 0), ("eager", 1)]:
         torch.manual_seed(seed)
-        # 300 steps cross the attended lengths 64, 128, 256 and 512: still one compiled decode step (a dynamic
-        # length), beside the prefill's (one bucket)
+        # 300 steps cross the attended lengths 64, 128, 256 and 512: still one compiled decode step
+        # (a dynamic length), beside the prefill's (one bucket)
         runs[mode, seed] = greedy(tiny, prompts, max_new=300, compile=mode == "compile", sampling=sampling)
     assert counters["stats"]["unique_graphs"] == 2
     assert runs["compile", 0] == runs["eager", 0] != runs["eager", 1]
@@ -1100,9 +1117,10 @@ MODES = {"eager": {}, "compile": dict(compile=True), "graph": dict(cuda_graph=Tr
                                                  ("tiny", G.SamplingParams(temperature=1.0, top_k=50))],
                          ids=["dense", "moe", "dense-sampled"])
 def test_cuda_modes_identical_tokens(checkpoint, prompts, sampling, request):
-    """fp32: every mode gives eager's tokens, greedy and sampled with one seed, from a prefill padded to its
-    bucket (64) and compiled or graphed, or unpadded and eager. Batch 1 decodes with the Triton kernels,
-    batch 2 with PyTorch's ops; 300 steps cross the attended lengths 64, 128, 256 and 512 (one graph each)."""
+    """fp32: every mode gives eager's tokens, greedy and sampled with one seed, from a prefill
+    padded to its bucket (64) and compiled or graphed, or unpadded and eager. Batch 1 decodes with
+    the Triton kernels, batch 2 with PyTorch's ops; 300 steps cross the attended lengths 64, 128,
+    256 and 512 (one graph each)."""
     path = request.getfixturevalue(checkpoint)
     runs = {}
     for mode, flags in MODES.items():
@@ -1114,8 +1132,8 @@ def test_cuda_modes_identical_tokens(checkpoint, prompts, sampling, request):
 @needs_cuda
 @pytest.mark.parametrize("mode", MODES)
 def test_cuda_sampling_is_seeded_and_fresh_every_step(tiny, mode):
-    """Sampled decoding in every mode: the same seed gives the same tokens, another seed others, and each step
-    draws new noise (a graph that replayed one captured draw would repeat itself)."""
+    """Sampled decoding in every mode: the same seed gives the same tokens, another seed others, and
+    each step draws new noise (a graph that replayed one captured draw would repeat itself)."""
     sampling = G.SamplingParams(temperature=1.0, top_k=20, top_p=0.95)
     gen = generator(tiny, sampling=sampling, device="cuda", dtype=torch.bfloat16, **MODES[mode])
     runs = []
@@ -1131,8 +1149,8 @@ def test_cuda_sampling_is_seeded_and_fresh_every_step(tiny, mode):
 @pytest.mark.parametrize("prompts", [[[1, 2, 3]], [[1, 2, 3], [4, 5, 6, 7, 8]]], ids=["batch1", "batch2"])
 @pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe"])
 def test_cuda_no_host_sync_inside_prefill_and_decode_steps(checkpoint, prompts, mode, request):
-    """bf16, where MoE layers multiply by the picked experts alone in a grouped product (on Hopper and
-    Blackwell); batch 1 decodes with the kernels, batch 2 with PyTorch's ops."""
+    """bf16, where MoE layers multiply by the picked experts alone in a grouped product (on Hopper
+    and Blackwell); batch 1 decodes with the kernels, batch 2 with PyTorch's ops."""
     sampling = G.SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
     gen = generator(request.getfixturevalue(checkpoint), batch=len(prompts), capacity=1024, sampling=sampling,
                     device="cuda", dtype=torch.bfloat16, **MODES[mode])
@@ -1156,8 +1174,8 @@ def test_cuda_no_host_sync_inside_prefill_and_decode_steps(checkpoint, prompts, 
 @needs_cuda
 @pytest.mark.parametrize("mode", MODES)
 def test_cuda_sampler_kernel_draws_pytorchs_tokens_in_every_mode(tiny, mode):
-    """Batch 2, where PyTorch's ops run the forward either way: the sampler kernel gives sample's tokens
-    from one seed, eager, compiled and graphed."""
+    """Batch 2, where PyTorch's ops run the forward either way: the sampler kernel gives sample's
+    tokens from one seed, eager, compiled and graphed."""
     sampling = G.SamplingParams(temperature=1.0, top_k=20, top_p=0.9)
     runs = []
     for use_kernels in (False, True):
@@ -1171,9 +1189,9 @@ def test_cuda_sampler_kernel_draws_pytorchs_tokens_in_every_mode(tiny, mode):
 @needs_cuda
 @pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe"])
 def test_cuda_graph_capture_changes_no_state(checkpoint, request):
-    """The first graphed prefill or decode step of a length runs for real, then is captured: afterwards the
-    state, the caches and the random generator are those of one eager step; replays then advance them as
-    eager steps do, drawing the same noise."""
+    """The first graphed prefill or decode step of a length runs for real, then is captured:
+    afterwards the state, the caches and the random generator are those of one eager step; replays
+    then advance them as eager steps do, drawing the same noise."""
     path = request.getfixturevalue(checkpoint)
     sampling = G.SamplingParams(temperature=1.0, top_k=20)
     gens = [generator(path, sampling=sampling, device="cuda", cuda_graph=graph) for graph in (False, True)]
@@ -1203,8 +1221,8 @@ def test_cuda_int8_modes_identical_greedy(tmp_path, moe):
     hf, path = converted(tmp_path, moe=moe)
     convert.convert(str(tmp_path / "hf"), str(tmp_path / "int8"), int8=True)
     q8 = str(tmp_path / "int8")
-    # fp32: in bf16 the fused dequantising reduction rounds once where eager rounds after the matmul and again
-    # after the scale, which flips near-tied greedy choices of a random model.
+    # fp32: in bf16 the fused dequantising reduction rounds once where eager rounds after the matmul
+    # and again after the scale, which flips near-tied greedy choices of a random model.
     eager = greedy(q8, [[1, 2, 3]], max_new=40, device="cuda")
     for mode in ("compile", "graph"):
         assert greedy(q8, [[1, 2, 3]], max_new=40, device="cuda", **MODES[mode]) == eager, mode
@@ -1294,8 +1312,8 @@ CONVERSATIONS = [("hi", None), ("why is the sky blue?", "be brief"), ("ünïcode
 
 @pytest.mark.parametrize("thinking", [True, False])
 def test_chat_template_renders_as_transformers_does(tiny, thinking):
-    """Qwen3's own template (the hub's tokenizer_config.json, copied by the converter), rendered by us and
-    by transformers' apply_chat_template from the same files."""
+    """Qwen3's own template (the hub's tokenizer_config.json, copied by the converter), rendered by
+    us and by transformers' apply_chat_template from the same files."""
     import transformers
     ours = G.Tokenizer(tiny)
     assert ours.chat_template == QWEN3_CHAT_TEMPLATE
@@ -1310,8 +1328,8 @@ def test_chat_template_renders_as_transformers_does(tiny, thinking):
 
 
 def test_chat_template_from_the_checkpoint_first_chatml_where_it_has_none(tiny, tmp_path):
-    """chat_template.jinja wins over tokenizer_config.json; without either, ChatML renders what Qwen3's
-    template renders for one turn."""
+    """chat_template.jinja wins over tokenizer_config.json; without either, ChatML renders what
+    Qwen3's template renders for one turn."""
     qwen3 = G.Tokenizer(tiny)
     own = tmp_path / "own"
     shutil.copytree(tiny, own)
@@ -1424,7 +1442,8 @@ def test_cli_bad_files_one_line(tiny, tmp_path):
 
 
 def test_cli_stdout_closed_early_exits_quietly(tiny):
-    """`generate.py ... | head -c 20`: the reader is gone before the text; no traceback, Unix's exit 141."""
+    """`generate.py ... | head -c 20`: the reader is gone before the text; no traceback, Unix's exit
+    141."""
     read, write = os.pipe()
     os.close(read)
     command = [sys.executable, os.path.join(HERE, "generate.py"), "--device", "cpu", "--checkpoint", tiny,
@@ -1442,7 +1461,8 @@ def test_cli_invalid_utf8_prompt_is_one_line(tiny):
 
 
 def test_eos_comes_from_config_json_too(tiny, tmp_path):
-    """Without generation_config.json, generation stops on config.json's eos_token_id (vocab - 1 here)."""
+    """Without generation_config.json, generation stops on config.json's eos_token_id (vocab - 1
+    here)."""
     path = tmp_path / "no-genconfig"
     shutil.copytree(tiny, path)
     (path / "generation_config.json").unlink()
@@ -1473,8 +1493,9 @@ def test_cli_float16(tiny, capsys):
 
 # ---------------------------------------------------------------- Triton kernels
 
-# The kernel tests run on CUDA, and on the CPU in Triton's interpreter: TRITON_INTERPRET must be set before
-# triton # is imported, so test_kernels_in_triton_interpreter runs them in a subprocess with it set.
+# The kernel tests run on CUDA, and on the CPU in Triton's interpreter: TRITON_INTERPRET must be set
+# before triton # is imported, so test_kernels_in_triton_interpreter runs them in a subprocess with
+# it set.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 in_interpreter = pytest.mark.skipif(not INTERPRETED,
                                     reason="runs in test_kernels_in_triton_interpreter's process")
@@ -1519,9 +1540,9 @@ def test_kernel_gemv_matches_reference_ops(device, dtype, tol, N, K):
 @pytest.mark.parametrize("device,dtype,tol", KERNEL_RUNS)
 @pytest.mark.parametrize("int8,norm_topk_prob", [(False, True), (True, False)])
 def test_kernel_gemv_of_picked_experts_matches_reference_ops(device, dtype, tol, int8, norm_topk_prob):
-    """A MoE layer's two products, the experts picked by the kernels from the router's logits: gate-up of
-    each pick (RMSNorm fused), and down of each pick's SiLU-gated input, weighted by its routing weight and
-    summed with the residual. 6 experts (not a power of two), 3 picks."""
+    """A MoE layer's two products, the experts picked by the kernels from the router's logits: gate-
+    up of each pick (RMSNorm fused), and down of each pick's SiLU-gated input, weighted by its
+    routing weight and summed with the residual. 6 experts (not a power of two), 3 picks."""
     torch.manual_seed(0)
     E, N, K, top_k = 6, 40, 48, 3
     x = torch.randn(1, 1, K, device=device, dtype=dtype)
@@ -1560,9 +1581,10 @@ def test_kernel_gemv_of_picked_experts_matches_reference_ops(device, dtype, tol,
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (4, 2, 128), (8, 2, 64)])  # GQA 1, 2, 4
 @pytest.mark.parametrize("kv_len", [64, 256, 512])  # 1, 4 and 8 splits
 def test_kernel_decode_attention_matches_reference_ops(device, dtype, tol, heads, kv_heads, head_dim, kv_len):
-    """One query per row, rows at different positions: around the 64-key block and the split boundaries
-    (chunks of ceil(ceil((p + 1) / splits) / 64) * 64 keys), the first position and the cache's last. The
-    cache holds random stale keys past each row's position: the kernel must not read them."""
+    """One query per row, rows at different positions: around the 64-key block and the split
+    boundaries (chunks of ceil(ceil((p + 1) / splits) / 64) * 64 keys), the first position and the
+    cache's last. The cache holds random stale keys past each row's position: the kernel must not
+    read them."""
     torch.manual_seed(0)
     positions = torch.tensor([0, 31, 63, 64, 127, 128, 200, 255], device=device)
     R, capacity, eps = len(positions), 256, 1e-6
@@ -1622,9 +1644,9 @@ def test_kernel_sampler_draws_pytorchs_tokens(device, top_k, top_p):
 @pytest.mark.parametrize("device,dtype,tol", KERNEL_RUNS[:2])
 @pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe"])
 def test_model_with_kernels_matches_reference_ops(checkpoint, device, dtype, tol, request):
-    """forward_one_token's glue around the kernels (cache views, strides, positions, expert ids): a batch-1 greedy
-    decode with the kernels gives the tokens and caches of one without, across the 256 -> 512 attended length
-    (fp32)."""
+    """forward_one_token's glue around the kernels (cache views, strides, positions, expert ids): a
+    batch-1 greedy decode with the kernels gives the tokens and caches of one without, across the
+    256 -> 512 attended length (fp32)."""
     tiny = request.getfixturevalue(checkpoint)
 
     def run(use_kernels):
@@ -1645,7 +1667,8 @@ def test_model_with_kernels_matches_reference_ops(checkpoint, device, dtype, tol
 
 
 def test_kernels_in_triton_interpreter(request):
-    """Runs the kernel tests above on the CPU, in Triton's interpreter (fp32: its bf16 is not exact)."""
+    """Runs the kernel tests above on the CPU, in Triton's interpreter (fp32: its bf16 is not
+    exact)."""
     pytest.importorskip("triton")
     if CUDA:
         pytest.skip("CUDA is present: the kernel tests run on the GPU (Triton 3.6's interpreter fails there)")
@@ -1665,8 +1688,8 @@ def test_kernels_in_triton_interpreter(request):
 # ---------------------------------------------------------------- the line budget
 
 def code_lines(text: str) -> int:
-    """Lines of code as cloc counts them for Python: lines holding a token other than a comment, and not
-    inside a docstring (a string that is the first statement of a module, class or function)."""
+    """Lines of code as cloc counts them for Python: lines holding a token other than a comment, and
+    not inside a docstring (a string that is the first statement of a module, class or function)."""
     return len(code_line_numbers(text))
 
 

@@ -1,6 +1,6 @@
 """qwen3-fast's measurements on a CUDA GPU, with random weights of the real shapes, built on the GPU.
 
-    python bench/bench.py decode --size 8B --modes eager,compile,graph,compile-graph --peer
+    python bench/bench.py decode --size 8B --modes eager,compile,graph --peer
     python bench/bench.py decode --size 8B --int8
     python bench/bench.py decode --size 8B --batch 8
     python bench/bench.py decode --size 30B-A3B --peer                  # MoE
@@ -112,6 +112,13 @@ def bandwidth() -> float:
     return x.numel() * 2 * 20 / (start.elapsed_time(end) * 1e6)
 
 
+def every_expert(model: Transformer, every: bool) -> None:
+    """With `every`, MoE layers multiply by every expert where the kernels don't run."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.grouped_mm = module.grouped_mm and not every
+
+
 def emit(row: dict) -> None:
     print(json.dumps(row), flush=True)
 
@@ -131,8 +138,7 @@ def rate_from_two_lengths(run, n1: int, n2: int, repeats: int) -> list[float]:
     return rates
 
 
-MODES = {"eager": {}, "compile": dict(compile=True), "graph": dict(cuda_graph=True),
-         "compile-graph": dict(compile=True, cuda_graph=True)}  # Generator's flags
+MODES = {"eager": {}, "compile": dict(compile=True), "graph": dict(cuda_graph=True)}  # Generator's
 
 
 def decode(a: argparse.Namespace, mode: str) -> dict:
@@ -144,7 +150,7 @@ def decode(a: argparse.Namespace, mode: str) -> dict:
     gen = G.Generator(model, batch=a.batch, capacity=a.cache,
                       sampling=G.SamplingParams() if a.greedy else SAMPLED,
                       use_kernels=not a.no_kernels, **MODES[mode])
-    model.grouped_mm = model.grouped_mm and not a.every_expert
+    every_expert(model, a.every_expert)
     prompts = [torch.randint(0, VOCAB, (a.prompt,)).tolist() for _ in range(a.batch)]
     t = time.perf_counter()
     gen.generate(prompts, max_new=2, stop_ids=set())  # one decode step: compiles and captures
@@ -223,7 +229,7 @@ def ttft(a: argparse.Namespace) -> list:
         gc.collect()
         gen = G.Generator(model, batch=a.batch, capacity=max(lengths + [500]) + 16, sampling=SAMPLED,
                           **MODES[mode])
-        model.grouped_mm = model.grouped_mm and not a.every_expert
+        every_expert(model, a.every_expert)
 
         def best(prompts, gen=gen):
             return min(gen.generate(prompts, max_new=1, stop_ids=set())[1].prefill_s for _ in range(6)) * 1e3
@@ -300,7 +306,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--int8", action="store_true")
     ap.add_argument("--greedy", action="store_true", help="greedy decoding, as the peer (default: sampled)")
-    ap.add_argument("--no-kernels", action="store_true", help="PyTorch's ops instead of kernels.py")
+    ap.add_argument("--no-kernels", action="store_true", help="PyTorch's ops instead of qwen3_triton.py")
     ap.add_argument("--profile", action="store_true", help="graphed modes: the kernels of a step")
     ap.add_argument("--peer", action="store_true", help="transformers, in the same process")
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)  # first-text's own processes
