@@ -333,7 +333,7 @@ def _(qkv, cache_k, cache_v, positions, cos, sin, q_norm, k_norm, eps, heads, kv
 
 # The sampler: the top-k candidates of each row in two stages (the K largest of each chunk of
 # SAMPLE_CHUNK logits, then the K largest of those), then top-p and the Gumbel-max draw over them.
-SAMPLE_CHUNK = 1024
+SAMPLE_CHUNK = 2048
 MAX_TOP_K = 64  # larger top-k filters sample with PyTorch's ops
 
 
@@ -357,16 +357,16 @@ def _largest(values, ids, K: tl.constexpr, KB: tl.constexpr):
 @triton.jit
 def _chunk_top_k(logits, row_stride, V, top, top_ids, K: tl.constexpr, KB: tl.constexpr,
                  CHUNK: tl.constexpr):
-    # Program (row r, chunk c): the K largest logits of the chunk and their ids, into (R, chunks,
-    # KB)
+    # Program (row r, chunk c): the K largest logits of the chunk and their ids, into (R, chunks, K)
     r = tl.program_id(0)
     c = tl.program_id(1)
     ids = c * CHUNK + tl.arange(0, CHUNK)
     values = tl.load(logits + r * row_stride + ids, mask=ids < V, other=float("-inf"))
     best, best_ids = _largest(values, ids, K, KB)
-    at = (r * tl.num_programs(1) + c) * KB + tl.arange(0, KB)
-    tl.store(top + at, best)
-    tl.store(top_ids + at, best_ids)
+    rank = tl.arange(0, KB)
+    at = (r * tl.num_programs(1) + c) * K + rank
+    tl.store(top + at, best, mask=rank < K)
+    tl.store(top_ids + at, best_ids, mask=rank < K)
 
 
 @triton.jit
@@ -405,11 +405,11 @@ def top_k_draw(logits: Tensor, noise: Tensor, temperature: float, top_p: float) 
     top_k = noise.shape[1]
     kb = triton.next_power_of_2(top_k)
     chunks = triton.cdiv(vocab, SAMPLE_CHUNK)
-    top = torch.empty(rows, chunks, kb, dtype=torch.float32, device=logits.device)
-    top_ids = torch.empty(rows, chunks, kb, dtype=torch.int32, device=logits.device)
+    top = torch.empty(rows, chunks, top_k, dtype=torch.float32, device=logits.device)
+    top_ids = torch.empty(rows, chunks, top_k, dtype=torch.int32, device=logits.device)
     _chunk_top_k[(rows, chunks)](logits, logits.stride(0), vocab, top, top_ids, K=top_k, KB=kb,
                                  CHUNK=SAMPLE_CHUNK)
-    count = chunks * kb
+    count = chunks * top_k
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
     _draw[(rows,)](top, top_ids, count, noise, out, temperature, top_p, K=top_k, KB=kb,
                    NB=triton.next_power_of_2(count), TOP_P=top_p < 1)

@@ -1,21 +1,26 @@
-"""qwen3-fast's measurements on a CUDA GPU, with random weights of the real shapes, built on the GPU.
+"""qwen3-fast's measurements on a CUDA GPU, with random weights of the real shapes, \
+built on the GPU.
 
     python bench/bench.py decode --size 8B --modes eager,compile,graph --peer
     python bench/bench.py decode --size 8B --int8
     python bench/bench.py decode --size 8B --batch 8
     python bench/bench.py decode --size 30B-A3B --peer                  # MoE
-    python bench/bench.py decode --size 0.6B --modes graph --profile   # the kernels of one graphed step
+    python bench/bench.py decode --size 0.6B --modes graph --profile   # the kernels of one
+                                                                       # graphed step
     python bench/bench.py decode --size 0.6B --no-kernels              # PyTorch's ops only
-    python bench/bench.py ttft --size 8B --lengths 128,2048 --modes eager,graph,compile --peer  # first token
-    python bench/bench.py ttft --size 8B --batch 8 --modes graph   # 8 prompts in one prefill, and one by one
-    python bench/bench.py first-text --modes graph,compile  # from the model on the GPU to the first text
+    python bench/bench.py ttft --size 8B --lengths 128,2048 --modes eager,graph,compile --peer
+                                                                       # first token
+    python bench/bench.py ttft --size 8B --batch 8 --modes graph   # 8 prompts in one prefill,
+                                                                   # and one by one
+    python bench/bench.py first-text --modes graph,compile  # from the model on the GPU to the
+                                                            # first text
     python bench/bench.py bandwidth                      # the decode ceiling's denominator
 
-Decode tok/s comes from two generation lengths in one process, (n2 - n1) / (t2 - t1), which cancels prefill
-and every fixed cost; the best of --repeats. The peer is transformers' Qwen3ForCausalLM of the same shapes
-(Qwen3MoeForCausalLM for MoE presets)
-with a static cache and torch.compile, greedy (do_sample=False), measured the same way in the same process.
-Every result is one JSON line on stdout.
+Decode tok/s comes from two generation lengths in one process, (n2 - n1) / (t2 - t1), which cancels
+prefill and every fixed cost; the best of --repeats. The peer is transformers' Qwen3ForCausalLM of
+the same shapes (Qwen3MoeForCausalLM for MoE presets) with a static cache and torch.compile,
+greedy (do_sample=False), measured the same way in the same process. Every result is one JSON line
+on stdout.
 """
 import argparse
 import gc
@@ -34,21 +39,22 @@ import generate as G  # noqa: E402
 from model import Linear, ModelArgs, MoE, Transformer  # noqa: E402
 
 PRESETS = {  # from the published config.json files; head_dim is 128 in all of them
-    "0.6B": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                 num_key_value_heads=8, tie_word_embeddings=True),
-    "1.7B": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                 num_key_value_heads=8, tie_word_embeddings=True),
-    "4B": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-               num_key_value_heads=8, tie_word_embeddings=True),
-    "8B": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-               num_key_value_heads=8, tie_word_embeddings=False),
-    "14B": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
-                num_key_value_heads=8, tie_word_embeddings=False),
-    "32B": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
-                num_key_value_heads=8, tie_word_embeddings=False),
-    "30B-A3B": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
-                    num_key_value_heads=4, tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8,
-                    moe_intermediate_size=768, norm_topk_prob=True),
+    "0.6B": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
+    "1.7B": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
+    "4B": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+               num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
+    "8B": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+               num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
+    "14B": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+                num_attention_heads=40, num_key_value_heads=8, tie_word_embeddings=False),
+    "32B": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False),
+    "30B-A3B": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                    num_attention_heads=32, num_key_value_heads=4, tie_word_embeddings=False,
+                    num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                    norm_topk_prob=True),
     "235B-A22B": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=94,
                       num_attention_heads=64, num_key_value_heads=4, tie_word_embeddings=False,
                       num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536,
@@ -59,10 +65,11 @@ SAMPLED = G.SamplingParams(temperature=0.6, top_k=20, top_p=0.95)  # Qwen3's gen
 
 
 def random_model(size: str, int8: bool) -> Transformer:
-    """A preset with random bf16 weights, built on the GPU in bf16 (never a float32 copy: 30B-A3B is 61 GB);
-    with int8, every linear layer the converter quantizes gets random int8 weights and scales of the bf16
-    weights' size."""
-    args = ModelArgs(**PRESETS[size], head_dim=128, vocab_size=VOCAB, quantization="int8" if int8 else None)
+    """A preset with random bf16 weights, built on the GPU in bf16 (never a float32 copy: 30B-A3B is
+    61 GB); with int8, every linear layer the converter quantizes gets random int8 weights and
+    scales of the bf16 weights' size."""
+    args = ModelArgs(**PRESETS[size], head_dim=128, vocab_size=VOCAB,
+                     quantization="int8" if int8 else None)
     torch.manual_seed(0)
     with torch.device("meta"):
         model = Transformer(args).to(torch.bfloat16)  # .to() leaves the int8 buffers int8
@@ -84,22 +91,25 @@ def random_model(size: str, int8: bool) -> Transformer:
 
 
 def weight_bytes(model: Transformer) -> int:
-    """Bytes a one-token decode step reads from the weights: all of them but the embedding (unless lm_head
-    is it), and of each MoE layer's experts the picked ones alone."""
+    """Bytes a one-token decode step reads from the weights: all of them but the embedding (unless
+    lm_head is it), and of each MoE layer's experts the picked ones alone."""
     def size(tensors):
         return sum(t.numel() * t.element_size() for t in tensors)
-    total = size({t.data_ptr(): t for t in model.state_dict().values()}.values())  # lm_head may be shared
+    # lm_head may be shared
+    total = size({t.data_ptr(): t for t in model.state_dict().values()}.values())
     if not model.args.tie_word_embeddings:
         total -= size([model.embed_tokens.weight])
     for m in model.modules():
         if isinstance(m, MoE):
-            experts = size([*m.gate_up_proj.state_dict().values(), *m.down_proj.state_dict().values()])
+            experts = size([*m.gate_up_proj.state_dict().values(),
+                            *m.down_proj.state_dict().values()])
             total -= experts * (1 - m.top_k / model.args.num_experts)
     return int(total)
 
 
 def bandwidth() -> float:
-    """GB/s read by a sum over 4 GiB: the rate at which a decode step can read its weights at best."""
+    """GB/s read by a sum over 4 GiB: the rate at which a decode step can read its weights at
+    best."""
     x = torch.empty(2 * 1024 ** 3, dtype=torch.bfloat16, device="cuda").normal_()
     for _ in range(3):
         x.sum(dtype=torch.float32)
@@ -155,14 +165,17 @@ def decode(a: argparse.Namespace, mode: str) -> dict:
     t = time.perf_counter()
     gen.generate(prompts, max_new=2, stop_ids=set())  # one decode step: compiles and captures
     first_step_s = time.perf_counter() - t
-    gen.generate(prompts, max_new=a.n2, stop_ids=set())  # warms every attended length the timed runs use
-    rates = rate_from_two_lengths(lambda n: gen.generate(prompts, max_new=n, stop_ids=set()), a.n1, a.n2,
-                                  a.repeats)
+    # warms every attended length the timed runs use
+    gen.generate(prompts, max_new=a.n2, stop_ids=set())
+    rates = rate_from_two_lengths(lambda n: gen.generate(prompts, max_new=n, stop_ids=set()),
+                                  a.n1, a.n2, a.repeats)
     best = max(rates)
-    row = {"size": a.size, "mode": mode, "int8": a.int8, "batch": a.batch, "kernels": not a.no_kernels,
-           "greedy": a.greedy, "decode_tok_s": round(best, 1), "aggregate_tok_s": round(best * a.batch, 1),
-           "all": [round(r, 1) for r in rates], "weights_GB": round(weight_bytes(model) / 1e9, 3),
-           "GB_s": round(best * weight_bytes(model) / 1e9, 1), "first_step_s": round(first_step_s, 1),
+    row = {"size": a.size, "mode": mode, "int8": a.int8, "batch": a.batch,
+           "kernels": not a.no_kernels, "greedy": a.greedy, "decode_tok_s": round(best, 1),
+           "aggregate_tok_s": round(best * a.batch, 1), "all": [round(r, 1) for r in rates],
+           "weights_GB": round(weight_bytes(model) / 1e9, 3),
+           "GB_s": round(best * weight_bytes(model) / 1e9, 1),
+           "first_step_s": round(first_step_s, 1),
            "peak_memory_GB": round(torch.cuda.max_memory_allocated() / 1e9, 2)}
     if a.profile and mode != "eager":
         row["profile"] = profile(gen, best, a.prompt + a.n2)
@@ -170,11 +183,12 @@ def decode(a: argparse.Namespace, mode: str) -> dict:
 
 
 def profile(gen: G.Generator, tok_s: float, needed: int) -> list:
-    """The kernels of one graphed decode step, timed by torch.profiler over replays of its CUDA graph (us per
-    step): their number a layer, the GB/s of the matrix-vector products (the weights' bytes over their time),
-    and the gaps: the step's time at `tok_s` minus its GPU time."""
+    """The kernels of one graphed decode step, timed by torch.profiler over replays of its CUDA
+    graph (us per step): their number a layer, the GB/s of the matrix-vector products (the weights'
+    bytes over their time), and the gaps: the step's time at `tok_s` minus its GPU time."""
     kv_positions = gen.model.key_positions[:G.bucket(needed, gen.capacity)]
-    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.no_grad(), torch.profiler.profile(activities=activities) as prof:
         for _ in range(10):
             gen.step(kv_positions)  # replays the step's CUDA graph
         torch.cuda.synchronize()
@@ -185,17 +199,19 @@ def profile(gen: G.Generator, tok_s: float, needed: int) -> list:
     gemv_us = sum(e.device_time_total for e in events if "gemv" in e.key) / 10
     summary = {"step_us": round(1e6 / tok_s), "gpu_us": round(gpu_us), "kernels": kernels,
                "kernels_per_layer": round(kernels / gen.model.args.num_hidden_layers, 1),
-               "gemv_us": round(gemv_us), "gemv_GB_s": round(weight_bytes(gen.model) / gemv_us / 1e3)}
+               "gemv_us": round(gemv_us),
+               "gemv_GB_s": round(weight_bytes(gen.model) / gemv_us / 1e3)}
     return [summary] + [
-        {"us": round(e.device_time_total / 10, 1), "count": e.count // 10, "name": e.key[:80]} for e in top]
+        {"us": round(e.device_time_total / 10, 1), "count": e.count // 10, "name": e.key[:80]}
+        for e in top]
 
 
 def peer_model(size: str):
     import transformers
     moe = "num_experts" in PRESETS[size]
     config_class = transformers.Qwen3MoeConfig if moe else transformers.Qwen3Config
-    config = config_class(**PRESETS[size], head_dim=128, vocab_size=VOCAB, max_position_embeddings=40960,
-                          rope_theta=1e6, rms_norm_eps=1e-6)
+    config = config_class(**PRESETS[size], head_dim=128, vocab_size=VOCAB,
+                          max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6)
     torch.manual_seed(0)
     with torch.device("cuda"):
         return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
@@ -213,29 +229,33 @@ def peer_decode(a: argparse.Namespace) -> dict:
     for _ in range(2):  # compilation, autotuning, graph capture
         run(a.n2)
     rates = rate_from_two_lengths(run, a.n1, a.n2, a.repeats)
-    return {"size": a.size, "peer": f"transformers {transformers.__version__} static cache + compile, greedy",
+    return {"size": a.size,
+            "peer": f"transformers {transformers.__version__} static cache + compile, greedy",
             "decode_tok_s": round(max(rates), 1), "all": [round(r, 1) for r in rates]}
 
 
 def ttft(a: argparse.Namespace) -> list:
-    """Time to first token: the prefill of a prompt of each of --lengths tokens and its first token, best of 5
-    after a warm-up (which compiles and captures), for each of --modes; with --batch N, N prompts of 100 to
-    500 tokens in one prefill, beside the sum of their prefills one at a time. --peer: transformers'
-    generate(max_new_tokens=1) for each length, in the same process."""
+    """Time to first token: the prefill of a prompt of each of --lengths tokens and its first token,
+    best of 5 after a warm-up (which compiles and captures), for each of --modes; with --batch N, N
+    prompts of 100 to 500 tokens in one prefill, beside the sum of their prefills one at a time.
+    --peer: transformers' generate(max_new_tokens=1) for each length, in the same process."""
     model = random_model(a.size, a.int8)
     lengths = [int(n) for n in a.lengths.split(",")]
     for mode in a.modes.split(","):
         torch._dynamo.reset()
         gc.collect()
-        gen = G.Generator(model, batch=a.batch, capacity=max(lengths + [500]) + 16, sampling=SAMPLED,
-                          **MODES[mode])
+        gen = G.Generator(model, batch=a.batch, capacity=max(lengths + [500]) + 16,
+                          sampling=SAMPLED, **MODES[mode])
         every_expert(model, a.every_expert)
 
         def best(prompts, gen=gen):
-            return min(gen.generate(prompts, max_new=1, stop_ids=set())[1].prefill_s for _ in range(6)) * 1e3
+            return min(gen.generate(prompts, max_new=1, stop_ids=set())[1].prefill_s
+                       for _ in range(6)) * 1e3
         if a.batch > 1:
-            prompts = [torch.randint(0, VOCAB, (int(n),)).tolist() for n in torch.linspace(100, 500, a.batch)]
-            emit({"size": a.size, "mode": mode, "batch": a.batch, "one_prefill_ms": round(best(prompts), 1),
+            prompts = [torch.randint(0, VOCAB, (int(n),)).tolist()
+                       for n in torch.linspace(100, 500, a.batch)]
+            emit({"size": a.size, "mode": mode, "batch": a.batch,
+                  "one_prefill_ms": round(best(prompts), 1),
                   "singles_ms": round(sum(best([p]) for p in prompts), 1)})
             continue
         for n in lengths:
@@ -262,9 +282,10 @@ def ttft(a: argparse.Namespace) -> list:
 
 
 def first_text(a: argparse.Namespace) -> list:
-    """Seconds from the model being on the GPU to its first streamed text (prefill and the first decode step:
-    compilation and graph capture happen there), for each of --modes: cold, with empty inductor and Triton
-    caches, then warm, with the caches the cold run filled. Each run is a process of its own."""
+    """Seconds from the model being on the GPU to its first streamed text (prefill and the first
+    decode step: compilation and graph capture happen there), for each of --modes: cold, with empty
+    inductor and Triton caches, then warm, with the caches the cold run filled. Each run is a
+    process of its own."""
     if a.inner:
         model = random_model(a.size, a.int8)
         torch.cuda.synchronize()
@@ -284,8 +305,10 @@ def first_text(a: argparse.Namespace) -> list:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": f"{caches}/inductor",
                "TRITON_CACHE_DIR": f"{caches}/triton"}
         for run in ("cold", "warm"):
-            command = [sys.executable, __file__, "first-text", "--inner", "--size", a.size, "--modes", mode]
-            out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
+            command = [sys.executable, __file__, "first-text", "--inner", "--size", a.size,
+                       "--modes", mode]
+            out = subprocess.run(command, env=env, capture_output=True, text=True,
+                                 check=True).stdout
             rows.append({**json.loads(out.strip().splitlines()[-1]), "run": run})
     return rows
 
@@ -305,11 +328,14 @@ def main():
     ap.add_argument("--n2", type=int, default=320)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--int8", action="store_true")
-    ap.add_argument("--greedy", action="store_true", help="greedy decoding, as the peer (default: sampled)")
-    ap.add_argument("--no-kernels", action="store_true", help="PyTorch's ops instead of qwen3_triton.py")
+    ap.add_argument("--greedy", action="store_true",
+                    help="greedy decoding, as the peer (default: sampled)")
+    ap.add_argument("--no-kernels", action="store_true",
+                    help="PyTorch's ops instead of qwen3_triton.py")
     ap.add_argument("--profile", action="store_true", help="graphed modes: the kernels of a step")
     ap.add_argument("--peer", action="store_true", help="transformers, in the same process")
-    ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)  # first-text's own processes
+    # first-text's own processes
+    ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.what == "bandwidth":
         rows = [{"read_GB_s": round(bandwidth(), 1), "gpu": torch.cuda.get_device_name()}]
