@@ -38,14 +38,14 @@ def checked(kind, requirement: str, valid):
     return parse
 
 
-POSITIVE = checked(int, "at least 1", lambda v: v >= 1)
+POSITIVE = checked(int, "at least 1", lambda value: value >= 1)
 # Each sampling setting's check, the same for a flag and for generation_config.json. Below 0.001,
 # logits / temperature overflows fp32 (and would be greedy anyway): 0 is greedy.
 SAMPLING_CHECKS = {
     "temperature": checked(float, "0 (greedy) or at least 0.001",
-                           lambda v: v == 0 or 1e-3 <= v < math.inf),
-    "top_k": checked(int, ">= 0", lambda v: v >= 0),
-    "top_p": checked(float, "in (0, 1]", lambda v: 0 < v <= 1),
+                           lambda value: value == 0 or 1e-3 <= value < math.inf),
+    "top_k": checked(int, ">= 0", lambda value: value >= 0),
+    "top_p": checked(float, "in (0, 1]", lambda value: 0 < value <= 1),
 }
 
 
@@ -485,7 +485,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     group.add_argument("--temperature", type=SAMPLING_CHECKS["temperature"], help="0 is greedy")
     group.add_argument("--top-k", type=SAMPLING_CHECKS["top_k"], help="0 keeps every token")
     group.add_argument("--top-p", type=SAMPLING_CHECKS["top_p"], help="1 keeps every token")
-    group.add_argument("--seed", type=checked(int, "in [0, 2^64)", lambda v: 0 <= v < 1 << 64),
+    seed = checked(int, "in [0, 2^64)", lambda value: 0 <= value < 1 << 64)
+    group.add_argument("--seed", type=seed,
                        help="the same seed gives the same text, in every mode")
     group.add_argument("--max-new-tokens", type=POSITIVE, default=200)
     group.add_argument("--stop-ids", type=int, nargs="*", default=[],

@@ -46,11 +46,12 @@ def forward_one_token(model: Transformer, tokens: Tensor, positions: Tensor,
     return product(model.lm_head, x, norm=model.norm)
 
 
-def product(proj: Linear, x: Tensor, norm: torch.nn.RMSNorm | None = None, **fused) -> Tensor:
+def product(proj: Linear, x: Tensor, norm: torch.nn.RMSNorm | None = None,
+            **options) -> Tensor:
     """proj(x) as one gemv; with `norm`, of norm(x), normalised as x is read."""
     if norm is not None:
-        fused.update(norm=norm.weight, eps=norm.eps)
-    return gemv(x, proj.weight, scale=proj.scale, **fused)
+        options.update(norm=norm.weight, eps=norm.eps)
+    return gemv(x, proj.weight, scale=proj.scale, **options)
 
 
 @triton.jit
@@ -77,7 +78,7 @@ def _route(router, EXPERTS: tl.constexpr, TOP_K: tl.constexpr, NORM_TOPK: tl.con
 
 
 @triton.jit
-def _gemv(x, w, scale, norm, res, out, router, N, K, x_row, eps: tl.constexpr,
+def _gemv(x, weight, scale, norm, res, out, router, N, K, x_row, eps: tl.constexpr,
           NORM: tl.constexpr, GATED: tl.constexpr, SCALE: tl.constexpr, RES: tl.constexpr,
           EXPERTS: tl.constexpr, TOP_K: tl.constexpr, NORM_TOPK: tl.constexpr,
           ROUTED: tl.constexpr, TERMS: tl.constexpr, EB: tl.constexpr, KB: tl.constexpr,
@@ -100,7 +101,7 @@ def _gemv(x, w, scale, norm, res, out, router, N, K, x_row, eps: tl.constexpr,
             pick = tl.arange(0, KB) == j + t
             expert = tl.sum(tl.where(pick, ids, 0), axis=0)
         xt = x + t * x_row
-        w_rows = w + expert * N * KW
+        w_rows = weight + expert * N * KW
         acc = tl.zeros([BN, BK], tl.float32)
         squares = tl.zeros([BK], tl.float32)
         for k0 in range(0, KW, BK):
@@ -153,7 +154,7 @@ GEMV_CONFIGS = {  # BN: weight rows per program, BK: weight words per block
 }
 
 
-def fused_input(norm, gated: bool, router, routed: bool) -> str:
+def input_kind(norm, gated: bool, router, routed: bool) -> str:
     """What gemv does to its input, which picks its launch configuration."""
     if router is not None:
         return "routed" if routed else "picked"
@@ -180,7 +181,7 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | 
     experts = 0 if router is None else router.shape[-1]
     out = gemv_output(x, weight, router=router, top_k=top_k, routed=routed)
     int8 = weight.dtype == torch.int8
-    config = GEMV_CONFIGS[fused_input(norm, gated, router, routed), "int8" if int8 else "float"]
+    config = GEMV_CONFIGS[input_kind(norm, gated, router, routed), "int8" if int8 else "float"]
     # An int32 word holds 4 int8 weights
     words = weight.view(torch.int32) if int8 else weight
     routing = dict(EXPERTS=experts, TOP_K=top_k, NORM_TOPK=norm_topk_prob, ROUTED=routed,
@@ -204,27 +205,27 @@ def gemv_output(x, weight, scale=None, norm=None, eps=0.0, gated=False, residual
 
 
 @triton.jit
-def _norm_rope(x, rows, row_mask, w, cos, sin, eps, HEAD_DIM: tl.constexpr, D: tl.constexpr):
-    # RMSNorm over each row's head_dim, times w, then RoPE in the split-halves layout: model.py's
-    # q_norm / k_norm and apply_rope, in fp32.
+def _norm_rope(x, rows, row_mask, weight, cos, sin, eps, HEAD_DIM: tl.constexpr, D: tl.constexpr):
+    # RMSNorm over each row's head_dim, times weight, then RoPE in the split-halves layout:
+    # model.py's q_norm / k_norm and apply_rope, in fp32.
     d = tl.arange(0, D)
     half = HEAD_DIM // 2
     partner = tl.where(d < half, d + half, d - half)  # rotate_half's partner of each dimension
     mask = row_mask[:, None] & (d[None, :] < HEAD_DIM)
     xd = tl.load(x + rows[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
     xp = tl.load(x + rows[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    wd = tl.load(w + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
-    wp = tl.load(w + partner, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
+    wd = tl.load(weight + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
+    wp = tl.load(weight + partner, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xd * xd, axis=1) / HEAD_DIM + eps)[:, None]
     rotated = xp * wp[None, :] * sin[None, :]  # the sin table carries rotate_half's signs
     return (xd * wd[None, :] * cos[None, :] + rotated) * rstd
 
 
 @triton.jit
-def _attention(qkv, k, v, pos, cos, sin, q_norm, k_norm, o, lse, qkv_row, cs_row, k_row, k_head,
-               k_pos, eps: tl.constexpr, sm_scale: tl.constexpr, GROUP: tl.constexpr,
-               HEAD_DIM: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-               SPLITS: tl.constexpr):
+def _attention(qkv, cache_k, cache_v, pos, cos, sin, q_norm, k_norm, partial, lse, qkv_row,
+               cs_row, k_row, k_head, k_pos, eps: tl.constexpr, sm_scale: tl.constexpr,
+               GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+               BLOCK: tl.constexpr, SPLITS: tl.constexpr):
     # Program (row r, kv head h, split s), from the row's fused q|k|v product: normalises and
     # rotates the GROUP query heads of h, attends over the split's share of the keys at positions <=
     # p, the query's (the cost follows the live length, not the cache's), and writes the normalised
@@ -242,7 +243,7 @@ def _attention(qkv, k, v, pos, cos, sin, q_norm, k_norm, o, lse, qkv_row, cs_row
     row = qkv + r * qkv_row
     q_rows = (h * GROUP + g) * HEAD_DIM
     qt = _norm_rope(row, q_rows, g < GROUP, q_norm, cs, sn, eps, HEAD_DIM, D)
-    qt = qt.to(k.dtype.element_ty)  # rounded as the model's activations are
+    qt = qt.to(cache_k.dtype.element_ty)  # rounded as the model's activations are
     cache = r * k_row + h * k_head
     chunk = tl.cdiv(tl.cdiv(p + 1, SPLITS), BLOCK) * BLOCK
     lo = s * chunk
@@ -251,10 +252,10 @@ def _attention(qkv, k, v, pos, cos, sin, q_norm, k_norm, o, lse, qkv_row, cs_row
         # The new key: one head, normalised as G rows of which row 0 alone is real, then summed
         k_rows = tl.zeros([G], tl.int32) + (H + h) * HEAD_DIM
         new_k = _norm_rope(row, k_rows, g < 1, k_norm, cs, sn, eps, HEAD_DIM, D)
-        new_k = tl.sum(new_k, axis=0).to(k.dtype.element_ty)
-        tl.store(k + cache + p * k_pos + d, new_k, mask=d_mask)
+        new_k = tl.sum(new_k, axis=0).to(cache_k.dtype.element_ty)
+        tl.store(cache_k + cache + p * k_pos + d, new_k, mask=d_mask)
         new_v = tl.load(row + (H + KV_HEADS + h) * HEAD_DIM + d, mask=d_mask)
-        tl.store(v + cache + p * k_pos + d, new_v.to(v.dtype.element_ty), mask=d_mask)
+        tl.store(cache_v + cache + p * k_pos + d, new_v.to(cache_v.dtype.element_ty), mask=d_mask)
         tl.debug_barrier()  # the stores are seen by all of this program's threads before the loads
     m = tl.full([G], -1e30, tl.float32)
     total = tl.zeros([G], tl.float32)  # the softmax's denominator so far
@@ -263,8 +264,8 @@ def _attention(qkv, k, v, pos, cos, sin, q_norm, k_norm, o, lse, qkv_row, cs_row
         j = start + tl.arange(0, BLOCK)
         kv_mask = (j[:, None] < hi) & d_mask[None, :]
         offsets = cache + j[:, None] * k_pos + d[None, :]
-        kt = tl.load(k + offsets, mask=kv_mask, other=0.0)
-        vt = tl.load(v + offsets, mask=kv_mask, other=0.0)
+        kt = tl.load(cache_k + offsets, mask=kv_mask, other=0.0)
+        vt = tl.load(cache_v + offsets, mask=kv_mask, other=0.0)
         scores = tl.dot(qt, tl.trans(kt), input_precision="ieee") * sm_scale
         scores = tl.where(j[None, :] < hi, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
@@ -276,12 +277,12 @@ def _attention(qkv, k, v, pos, cos, sin, q_norm, k_norm, o, lse, qkv_row, cs_row
     out = (r * H + h * GROUP + g) * SPLITS + s  # index into (rows, heads, SPLITS)
     normalised = acc / tl.where(total > 0, total, 1.0)[:, None]
     out_mask = (g[:, None] < GROUP) & d_mask[None, :]
-    tl.store(o + out[:, None] * HEAD_DIM + d[None, :], normalised, mask=out_mask)
+    tl.store(partial + out[:, None] * HEAD_DIM + d[None, :], normalised, mask=out_mask)
     tl.store(lse + out, m + tl.log(total), mask=g < GROUP)  # -inf for an empty split
 
 
 @triton.jit
-def _merge(o, lse, out, HEAD_DIM: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):
+def _merge(partial, lse, out, HEAD_DIM: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):
     # One (row, head): the splits' outputs weighted by exp(lse) over their sum, which is exact
     i = tl.program_id(0)
     s = tl.arange(0, SPLITS)
@@ -289,7 +290,7 @@ def _merge(o, lse, out, HEAD_DIM: tl.constexpr, D: tl.constexpr, SPLITS: tl.cons
     w = tl.load(lse + i * SPLITS + s)
     w = tl.exp(w - tl.max(w, axis=0))
     parts_at = (i * SPLITS + s[:, None]) * HEAD_DIM + d[None, :]
-    parts = tl.load(o + parts_at, mask=d[None, :] < HEAD_DIM)
+    parts = tl.load(partial + parts_at, mask=d[None, :] < HEAD_DIM)
     y = tl.sum(parts * w[:, None], axis=0) / tl.sum(w, axis=0)
     tl.store(out + i * HEAD_DIM + d, y.to(out.dtype.element_ty), mask=d < HEAD_DIM)
 
