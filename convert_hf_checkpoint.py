@@ -178,10 +178,8 @@ def main(argv=None):
     signal.signal(signal.SIGHUP, signal.default_int_handler)
     try:
         args = parser.parse_args(argv)
-        out = args.output
-        if out is None:
-            name = "converted-int8" if args.int8 else "converted"
-            out = os.path.join(args.checkpoint_dir, name)
+        name = "converted-int8" if args.int8 else "converted"
+        out = args.output or os.path.join(args.checkpoint_dir, name)
         convert(args.checkpoint_dir, out, args.int8, args.shard_size_mb << 20)
     except (UserError, OSError, SafetensorError) as e:  # a full disk: either; the output is gone
         sys.exit(f"error: {e}")

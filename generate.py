@@ -13,18 +13,21 @@ import math
 import os
 import pathlib
 import re
+import signal
 import sys
 import time
 from dataclasses import dataclass
 
-import torch
+try:
+    import torch
 
-from model import Transformer, UserError, read_json
-
-try:  # the optional Triton fast path: without it, or without Triton, PyTorch's ops run everywhere
-    import qwen3_triton
-except ImportError:
-    qwen3_triton = None
+    from model import Transformer, UserError, read_json
+    try:  # the optional Triton fast path: without it, or Triton, PyTorch's ops run everywhere
+        import qwen3_triton
+    except ImportError:
+        qwen3_triton = None
+except KeyboardInterrupt:  # Ctrl-C while torch loads: nothing to clean up, nothing to say
+    sys.exit(130)
 
 
 def checked(kind, requirement: str, valid):
@@ -55,19 +58,27 @@ class SamplingParams:
     top_k: int = 0  # 0 keeps every token
     top_p: float = 1.0  # 1 keeps every token
 
+    def __post_init__(self):
+        for name, check in SAMPLING_CHECKS.items():  # the flags' checks
+            value = getattr(self, name)
+            try:  # as JSON text, a flag's check refuses strings, booleans and lists too
+                check(json.dumps(value))
+            except (ValueError, argparse.ArgumentTypeError) as e:
+                raise UserError(f"{name} {value!r}: {e}") from None
+
     @classmethod
     def from_generation_config(cls, generation_config: dict) -> "SamplingParams":
         """A checkpoint's defaults: its generation_config.json's settings where it samples, else
         greedy."""
-        params = cls()
-        for name, check in SAMPLING_CHECKS.items():
-            value = generation_config.get(name)
-            if value is not None and generation_config.get("do_sample", True):
-                try:  # as JSON text, a flag's check refuses strings, booleans and lists too
-                    setattr(params, name, check(json.dumps(value)))
-                except (ValueError, argparse.ArgumentTypeError) as e:
-                    raise UserError(f"generation_config.json: {name} {value!r}: {e}") from None
-        return params
+        do_sample = generation_config.get("do_sample", True)
+        if type(do_sample) is not bool:
+            raise UserError(f"generation_config.json: do_sample {do_sample!r} is not true or false")
+        given = [name for name in SAMPLING_CHECKS if generation_config.get(name) is not None]
+        settings = {name: generation_config[name] for name in given if do_sample}
+        try:
+            return cls(**settings)
+        except UserError as e:
+            raise UserError(f"generation_config.json: {e}") from None
 
 
 def sample(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -81,8 +92,8 @@ def sample(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     vocab = scores.shape[-1]
     filtered = 0 < params.top_k < vocab or params.top_p < 1
     if filtered:  # the candidates, largest first: no sort unless a filter needs one
-        scores, candidates = scores.topk(min(params.top_k or vocab, vocab))
-    scores = scores / params.temperature
+        scores, candidates = top_candidates(scores, min(params.top_k or vocab, vocab))
+    scores = scores * (1.0 / params.temperature)  # as the fast path's kernel scales them
     if params.top_p < 1:  # the smallest head whose mass reaches top_p (the first always stays)
         probs = scores.softmax(-1)
         ahead = probs.cumsum(-1) - probs  # the mass of the candidates before each
@@ -94,11 +105,24 @@ def sample(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return candidates.gather(-1, choice[:, None])[:, 0]
 
 
-def sampler(params: SamplingParams, use_kernels: bool):
+def top_candidates(scores: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `count` largest of fp32 scores (R, V) and their ids, largest first and ties in id order
+    (topk alone orders ties as it likes): a topk over int64 keys that order by score, then by id."""
+    bits = scores.view(torch.int32).long()
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # as the floats: negatives flipped
+    vocab = scores.shape[-1]
+    ids = torch.arange(vocab, device=scores.device)
+    keys = ordered * vocab + (vocab - 1 - ids)  # unique: the lower id first among equal scores
+    top = keys.topk(count).indices
+    return scores.gather(-1, top), top
+
+
+def sampler(params: SamplingParams, use_kernels: bool, vocab: int):
     """The draw of next ids (R,) from logits (R, V): the fast path's kernel where it takes the
-    filter (a top-k of at most qwen3_triton.MAX_TOP_K, the same tokens from the same noise), else
-    sample."""
-    if use_kernels and params.temperature > 0 and 0 < params.top_k <= qwen3_triton.MAX_TOP_K:
+    filter (a top-k of at most qwen3_triton.MAX_TOP_K: the same tokens from the same noise, to the
+    rounding of the top-p cut and of the noise's logarithms), else sample."""
+    top_k = use_kernels and params.temperature > 0 and 0 < params.top_k < vocab
+    if top_k and params.top_k <= qwen3_triton.MAX_TOP_K:
         return functools.partial(qwen3_triton.sample_top_k, temperature=params.temperature,
                                  top_k=params.top_k, top_p=params.top_p)
     return functools.partial(sample, params=params)
@@ -126,16 +150,16 @@ def prefill_prompts(model: Transformer, draw, state: DecodeState, positions: tor
     its last prompt token (its length, in state.positions) into state.tokens and the row's sequence.
     Device-side only, as decode_one_token. `running`: how many of the grid's R x T tokens run, every
     prompt's first, then padding (see Transformer.forward, packed)."""
-    rows, length = positions.shape
+    count, length = positions.shape
     packed = None  # every token of the grid runs
     if running < positions.numel():
-        is_prompt = positions < state.positions[:rows]  # (R, T)
+        is_prompt = positions < state.positions[:count]  # (R, T)
         # A stable sort puts the prompts' tokens first (True first), each row's in order
         order = is_prompt.flatten().argsort(descending=True, stable=True)
         packed = order[:running]
-    last = state.positions[:rows] - 1  # (R, 1)
-    logits = model(state.sequences[:rows, :length], positions, logits_at=last, packed=packed)
-    state.tokens[:rows, 0] = draw(logits[:, -1])
+    last = state.positions[:count] - 1  # (R, 1)
+    logits = model(state.sequences[:count, :length], positions, logits_at=last, packed=packed)
+    state.tokens[:count, 0] = draw(logits[:, -1])
     state.sequences.scatter_(1, state.positions, state.tokens)
 
 
@@ -217,6 +241,8 @@ class Generator:
 
     def __init__(self, model: Transformer, *, batch: int, capacity: int, sampling: SamplingParams,
                  use_kernels: bool | None = None, compile: bool = False, cuda_graph: bool = False):
+        check_count("batch", batch)
+        check_count("capacity", capacity)
         device = model.norm.weight.device
         if compile and cuda_graph:
             raise UserError("compile and cuda_graph are two ways to run the steps: choose one")
@@ -240,7 +266,7 @@ class Generator:
         forward = model
         if use_kernels and batch == 1:  # the fast path's products take one token
             forward = functools.partial(qwen3_triton.forward_one_token, model)
-        draw = sampler(sampling, use_kernels)
+        draw = sampler(sampling, use_kernels, model.args.vocab_size)
         decode = functools.partial(decode_one_token, forward, draw, self.state)
         prefill = functools.partial(prefill_prompts, model, draw, self.state)
         if compile:
@@ -287,13 +313,13 @@ class Generator:
         timings. on_tokens(rows) gets the tokens so far at each check. Sampling draws from torch's
         random generator: torch.manual_seed makes the tokens reproducible, the same in every
         mode."""
-        if not 1 <= len(prompts) <= self.batch or not all(prompts):
-            raise UserError(f"give 1 to {self.batch} prompts, none empty (got {len(prompts)})")
+        self.check_prompts(prompts)
+        check_count("max_new", max_new)
+        check_count("check_every", check_every)
         longest = max(map(len, prompts))
         if longest + max_new > self.capacity:
-            raise UserError(f"prompt ({longest} tokens) + max new tokens ({max_new}) is over the "
-                            f"cache length {self.capacity}: raise --cache-len or lower "
-                            "--max-new-tokens")
+            raise UserError(f"prompt ({longest} tokens) + max_new ({max_new}) is over the cache "
+                            f"length (capacity {self.capacity})")
         shortest = min(map(len, prompts))  # the checks read the sequences from there on
         state = self.state
         sync = torch.cuda.synchronize if state.tokens.is_cuda else (lambda: None)
@@ -327,6 +353,21 @@ class Generator:
                                 decode_s=time.perf_counter() - t2,
                                 decode_steps=max(produced - 2, 0))
         return done, stats
+
+    def check_prompts(self, prompts) -> None:
+        """Refuses prompts that aren't 1 to `batch` lists of token ids of the model's vocabulary."""
+        vocab = self.model.args.vocab_size
+        if not 1 <= len(prompts) <= self.batch or not all(prompts):
+            raise UserError(f"give 1 to {self.batch} prompts, none empty (got {len(prompts)})")
+        ids = [token for prompt in prompts for token in prompt]
+        if not all(type(token) is int and 0 <= token < vocab for token in ids):
+            raise UserError(f"prompts are lists of token ids in [0, {vocab})")
+
+
+def check_count(name: str, value) -> None:
+    """An argument that counts something: an int of at least 1."""
+    if type(value) is not int or value < 1:
+        raise UserError(f"{name} must be an int of at least 1, not {value!r}")
 
 
 # Qwen3's ChatML, for a checkpoint that ships no chat template of its own.
@@ -372,9 +413,7 @@ class Tokenizer:
         transformers' apply_chat_template(add_generation_prompt=True) renders it; thinking=False:
         enable_thinking=False."""
         import jinja2.sandbox
-        messages = []
-        if system:
-            messages.append({"role": "system", "content": system})
+        messages = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": user})
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
@@ -395,21 +434,31 @@ class Checkpoint:
     stop_ids: set[int]  # the end-of-sequence tokens of config.json and generation_config.json
 
 
+def eos_ids(generation_config: dict) -> set[int]:
+    """generation_config.json's end-of-sequence tokens: one id, or a list of ids."""
+    eos = generation_config.get("eos_token_id", [])
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(type(i) is int and i >= 0 for i in ids):
+        raise UserError(f"generation_config.json: eos_token_id {eos!r} is not token ids")
+    return set(ids)
+
+
 def load(path: str, device="cpu", dtype: torch.dtype | None = None) -> Checkpoint:
     """A converted checkpoint on `device`, in `dtype` (default: bf16 on CUDA, fp32 on the CPU)."""
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError("device cuda: there is no CUDA device here; use device='cpu'")
     if dtype is None:
-        on_cuda = torch.device(device).type == "cuda"
-        dtype = torch.bfloat16 if on_cuda else torch.float32
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if not isinstance(dtype, torch.dtype):
+        raise UserError(f"dtype {dtype!r} is not a torch.dtype: use torch.bfloat16, ...")
     model = Transformer.from_checkpoint(path, device, dtype)
+    tokenizer = Tokenizer(path)
     file = pathlib.Path(path, "generation_config.json")
     generation_config = read_json(file) if file.is_file() else {}
-    eos = generation_config.get("eos_token_id", [])
-    if not isinstance(eos, list):  # one id, or a list
-        eos = [eos]
     sampling = SamplingParams.from_generation_config(generation_config)
-    stop_ids = set(model.args.eos_token_id) | set(eos)
-    return Checkpoint(model=model, tokenizer=Tokenizer(path), sampling=sampling,
-                      stop_ids=stop_ids)
+    stop_ids = eos_ids(generation_config) | set(model.args.eos_token_id)
+    return Checkpoint(model=model, tokenizer=tokenizer, sampling=sampling, stop_ids=stop_ids)
 
 
 class TextStream:
@@ -422,7 +471,7 @@ class TextStream:
         self.prompts = prompts
         # Looked up now: sys.stdout may have been replaced since import
         self.file = file or sys.stdout
-        self.rows = [[] for _ in prompts]
+        self.rows = None  # none until the first check
         self.printed = ""
 
     def __call__(self, rows: list[list[int]]) -> None:
@@ -435,7 +484,10 @@ class TextStream:
         self.printed = text
 
     def finish(self) -> None:
-        """Prints what is left: the rest of one row's text, or every row after its prompt."""
+        """Prints what is left: the rest of one row's text, or every row after its prompt; nothing
+        if generation never started."""
+        if self.rows is None:
+            return
         if len(self.rows) == 1:
             self.show(self.decode(self.rows[0]))
             print(file=self.file)
@@ -444,13 +496,14 @@ class TextStream:
                 print(f"--- {prompt}\n{self.decode(row)}", file=self.file)
 
 
-def report(stats: GenerationStats, rows: list[list[int]], compiled: bool) -> str:
-    """The line on stderr after a generation: what came out, the time to first token, the rate."""
+def report(stats: GenerationStats, rows: list[list[int]], first_step: str | None) -> str:
+    """The line on stderr after a generation: what came out, the time to first token, the rate.
+    first_step: what the first decode step does besides decoding (it is timed apart), or None."""
     plural = "s" if len(rows) > 1 else ""
     line = f"{sum(map(len, rows))} new tokens in {len(rows)} row{plural}"
     line += f". Time to first token {stats.prefill_s:.3f} s"
-    if stats.first_step_s and compiled:
-        line += f"; the first decode step {stats.first_step_s:.2f} s (it sets up the graphs)"
+    if stats.first_step_s and first_step:
+        line += f"; the first decode step {stats.first_step_s:.2f} s ({first_step})"
     if stats.decode_steps:
         rate = stats.decode_steps / stats.decode_s
         line += f"; then {rate:.1f} tok/s per row, {rate * len(rows):.1f} in all"
@@ -515,6 +568,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None):
+    # SIGTERM and SIGHUP (`timeout`, a closed terminal, a job scheduler) stop it as Ctrl-C does
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGHUP, signal.default_int_handler)
     try:
         run(parse_args(argv))
     except UserError as e:
@@ -534,14 +590,10 @@ def run(args: argparse.Namespace) -> None:
     if not (texts and all(text.strip() for text in texts)):
         raise UserError("empty prompt: give --prompt TEXT")
     print(f"loading {args.checkpoint} ...", file=sys.stderr, flush=True)
-    dtype = None
-    if args.dtype:
-        dtype = getattr(torch, args.dtype)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
     checkpoint = load(args.checkpoint, args.device, dtype)
-    flags = {}
-    for name in SAMPLING_CHECKS:
-        if getattr(args, name) is not None:
-            flags[name] = getattr(args, name)
+    given = [name for name in SAMPLING_CHECKS if getattr(args, name) is not None]
+    flags = {name: getattr(args, name) for name in given}
     sampling = dataclasses.replace(checkpoint.sampling, **flags)
     tokenizer = checkpoint.tokenizer
     if args.chat:
@@ -559,8 +611,12 @@ def run(args: argparse.Namespace) -> None:
                                    check_every=args.check_every, on_tokens=stream)
     finally:  # on Ctrl-C too: what was generated so far
         stream.finish()
-    compiled = args.compile or args.cuda_graph
-    print(report(stats, rows, compiled=compiled), file=sys.stderr)
+    first_step = None
+    if args.compile:
+        first_step = "it compiles the step"
+    if args.cuda_graph:
+        first_step = "it captures the graphs"
+    print(report(stats, rows, first_step), file=sys.stderr)
 
 
 if __name__ == "__main__":

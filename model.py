@@ -45,6 +45,11 @@ CONFIG_TYPES = {
 }
 
 
+# What config.json must give, each above 0: no default is safe for these
+REQUIRED = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "vocab_size", "rms_norm_eps", "max_position_embeddings"]
+
+
 def is_valid(value, field_type) -> bool:
     """Whether a config.json value suits a ModelArgs field: of one of its JSON types, and no
     negative int."""
@@ -72,7 +77,7 @@ class ModelArgs:
     num_hidden_layers: int = 28
     num_attention_heads: int = 16
     num_key_value_heads: int = 8
-    head_dim: int = 128  # its own setting: Qwen3 heads are not hidden_size / heads wide
+    head_dim: int = 128  # its own setting: 0.6B's heads are 128 wide, not 1,024 / 16
     vocab_size: int = 151936
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1e6
@@ -120,6 +125,15 @@ class ModelArgs:
                 raise UserError(f"config.json: {spec.name} is {value!r}, "
                                 "which is not a valid value for it")
             given[spec.name] = value
+        missing = [name for name in REQUIRED if name not in given]
+        if missing:
+            raise UserError(f"config.json: {missing[0]} is missing; download or convert it again")
+        for name in [*REQUIRED, "rope_theta"]:
+            if given.get(name, 1) <= 0:
+                raise UserError(f"config.json: {name} is {given[name]!r}; it must be above 0")
+        if given.get("quantization") not in (None, "int8"):
+            raise UserError(f"config.json: quantization {given['quantization']!r} is not "
+                            "supported: only int8 (our converter's)")
         args = cls(**given)
         if cfg.get("head_dim") is None:
             args.head_dim = args.hidden_size // args.num_attention_heads
@@ -143,7 +157,8 @@ def rope_frequencies(args: ModelArgs) -> tuple[Tensor, float]:
     ln(factor) + 1 unless it is given an attention_factor."""
     dim = args.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.float) / dim
-    original = 1.0 / args.rope_theta ** exponents  # (dim / 2,)
+    wavelengths = args.rope_theta ** exponents  # over 2 pi: (dim / 2,)
+    original = 1.0 / wavelengths
     yarn = args.yarn
     if not yarn:
         return original, 1.0
@@ -166,7 +181,7 @@ def rope_frequencies(args: ModelArgs) -> tuple[Tensor, float]:
         high += 0.001  # as transformers: no division by zero
     # 0 below `low` (the original frequency), 1 above `high` (the interpolated one)
     ramp = ((torch.arange(dim // 2, dtype=torch.float) - low) / (high - low)).clamp(0, 1)
-    interpolated = original / factor
+    interpolated = 1.0 / (factor * wavelengths)  # transformers' rounding
     return interpolated * ramp + original * (1 - ramp), scale
 
 
@@ -176,9 +191,7 @@ class Linear(nn.Module):
 
     def __init__(self, n_in: int, n_out: int, int8: bool = False, experts: int | None = None):
         super().__init__()
-        shape = (n_out, n_in)
-        if experts is not None:
-            shape = (experts, n_out, n_in)
+        shape = (n_out, n_in) if experts is None else (experts, n_out, n_in)
         if int8:
             self.register_buffer("weight", torch.empty(shape, dtype=torch.int8))
             self.register_buffer("scale", torch.empty(shape[:-1]))
@@ -195,16 +208,15 @@ class Linear(nn.Module):
         return y * self.scale
 
 
-def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
-    """Symmetric int8 per output row: w ~= q * scale[..., None]. Returns (q, scale)."""
-    scale = w.float().abs().amax(dim=-1).clamp(min=1e-8) / 127
-    q = (w.float() / scale[..., None]).round().clamp(-127, 127)
+def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric int8 per output row: weight ~= q * scale[..., None]. Returns (q, scale)."""
+    scale = weight.float().abs().amax(dim=-1).clamp(min=1e-8) / 127
+    q = (weight.float() / scale[..., None]).round().clamp(-127, 127)
     return q.to(torch.int8), scale
 
 
 def linear(args: ModelArgs, n_in: int, n_out: int, experts: int | None = None) -> Linear:
-    int8 = args.quantization == "int8"
-    return Linear(n_in, n_out, int8=int8, experts=experts)
+    return Linear(n_in, n_out, int8=args.quantization == "int8", experts=experts)
 
 
 class StaticKVCache(nn.Module):
@@ -220,14 +232,15 @@ class StaticKVCache(nn.Module):
         self.register_buffer("k", k, persistent=False)
         self.register_buffer("v", torch.zeros_like(k), persistent=False)
 
-    def update(self, first_row: int, positions: Tensor, k: Tensor, v: Tensor, kv_len: int):
-        """Writes k, v (R, T, kv_heads, head_dim) into rows first_row ... first_row + R - 1 at their
-        positions (R, T); returns those rows' keys and values at positions [0, kv_len)."""
+    def update(self, first_row: int, positions: Tensor, keys: Tensor, values: Tensor,
+               kv_len: int):
+        """Writes keys, values (R, T, kv_heads, head_dim) into rows first_row ... first_row + R - 1
+        at their positions (R, T); returns those rows' keys and values at positions [0, kv_len)."""
         count = positions.shape[0]
         rows = torch.arange(first_row, first_row + count, device=positions.device)
         # (R, 1) and (R, T) index the row and position dims: their (R, T) comes first, heads after
-        self.k[rows[:, None], :, positions] = k
-        self.v[rows[:, None], :, positions] = v
+        self.k[rows[:, None], :, positions] = keys
+        self.v[rows[:, None], :, positions] = values
         last = first_row + count
         return self.k[first_row:last, :, :kv_len], self.v[first_row:last, :, :kv_len]
 
@@ -333,34 +346,36 @@ class MoE(nn.Module):
         # Each token through its picked experts alone: its (token, pick) pairs, sorted by expert so
         # that each expert's pairs are one run of rows (int32 keys: half the radix sort's passes of
         # int64).
-        experts, order = picked.flatten().int().sort()  # (pairs,)
-        tokens = x.flatten(0, 1)[order // self.top_k]  # (pairs, hidden): each pair's token
-        gate_up = expert_products(tokens, dequantized(self.gate_up_proj, x.dtype), experts,
+        expert_ids, order = picked.flatten().int().sort()  # (pairs,)
+        inputs = x.flatten(0, 1)[order // self.top_k]  # (pairs, hidden): each pair's token
+        gate_up = expert_products(inputs, dequantized(self.gate_up_proj, x.dtype), expert_ids,
                                   self.grouped_mm)
         gate, up = gate_up.chunk(2, dim=-1)
         pair_weights = weights.flatten()[order, None].to(x.dtype)  # rounded as transformers does
         hidden = F.silu(gate) * up * pair_weights
-        y = expert_products(hidden, dequantized(self.down_proj, x.dtype), experts, self.grouped_mm)
+        y = expert_products(hidden, dequantized(self.down_proj, x.dtype), expert_ids,
+                            self.grouped_mm)
         # Back in (token, pick) order: sorted row i is pair order[i]. A gather at the inverse
-        # permutation, a few times faster than scattering the rows themselves.
+        # permutation, faster than scattering the rows themselves (bench/RESULTS.md).
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(len(order), dtype=order.dtype, device=x.device)
         per_pick = y[inverse].unflatten(0, (-1, self.top_k))  # (tokens, top_k, hidden)
         return per_pick.sum(1).view_as(x)
 
 
-def expert_products(rows: Tensor, weight: Tensor, experts: Tensor, grouped_mm: bool) -> Tensor:
-    """rows (pairs, K), sorted by their `experts` (pairs,), each times its expert's weight (experts,
-    N, K): (pairs, N), in static shapes (for compile and graphs). grouped_mm: one grouped product,
-    each expert over its own run of rows, whose ends are found on the device. Otherwise every expert
-    multiplies every row (experts times the work), and each row keeps its own expert's product."""
+def expert_products(rows: Tensor, weight: Tensor, row_experts: Tensor, grouped_mm: bool) -> Tensor:
+    """rows (pairs, K), sorted by their `row_experts` (pairs,), each times its expert's weight
+    (experts, N, K): (pairs, N), in static shapes (for compile and graphs). grouped_mm: one grouped
+    product, each expert over its own run of rows, whose ends are found on the device. Otherwise
+    every expert multiplies every row (experts times the work), and each row keeps its own expert's
+    product."""
     if grouped_mm:
-        expert_ids = torch.arange(len(weight), device=rows.device)
-        ends = torch.searchsorted(experts, expert_ids, right=True)  # (experts,)
+        experts = torch.arange(len(weight), device=rows.device)
+        ends = torch.searchsorted(row_experts, experts, right=True)  # (experts,)
         return torch._grouped_mm(rows, weight.transpose(1, 2), offs=ends.int())
     every = torch.einsum("pk,enk->pen", rows, weight)  # (pairs, experts, N)
     pairs = torch.arange(len(rows), device=rows.device)
-    return every[pairs, experts]
+    return every[pairs, row_experts]
 
 
 def dequantized(proj: Linear, dtype) -> Tensor:
@@ -403,9 +418,9 @@ class Transformer(nn.Module):
         """Allocates a StaticKVCache per layer and the RoPE tables for positions [0, capacity)."""
         args = self.args
         if capacity > args.max_position_embeddings:
-            raise UserError(f"cache length {capacity} is over the model's "
-                            f"{args.max_position_embeddings} positions: shorten the prompt or "
-                            "lower --max-new-tokens / --cache-len")
+            raise UserError(f"a cache of {capacity} positions is over the model's "
+                            f"{args.max_position_embeddings}: shorten the prompt or ask for "
+                            "fewer new tokens")
         device = self.norm.weight.device
         dtype = self.norm.weight.dtype
         # One spare position, never attended: every attended prefix is then a strict slice of the
@@ -417,8 +432,8 @@ class Transformer(nn.Module):
         # Angles in fp32 on the CPU as transformers computes them (a product, not a matmul); the
         # tables in the model's dtype, as transformers casts them before rotating.
         inv_freq, scale = rope_frequencies(args)
-        positions = torch.arange(capacity, dtype=torch.float)
-        angles = positions[:, None] * inv_freq.repeat(2)  # (capacity, head_dim): both halves alike
+        steps = torch.arange(capacity, dtype=torch.float)  # the positions, as floats
+        angles = steps[:, None] * inv_freq.repeat(2)  # (capacity, head_dim): both halves alike
         signs = torch.tensor([-1.0, 1.0]).repeat_interleave(args.head_dim // 2)  # rotate_half's
         cos = angles.cos() * scale
         sin = angles.sin() * scale * signs

@@ -306,7 +306,7 @@ def decode_attention(qkv: Tensor, cache_k: Tensor, cache_v: Tensor, positions: T
     weights. Attends to the keys at positions <= the query's, split into programs per (row, kv head)
     so that one row still fills the GPU; returns (R, heads, head_dim). kv_len bounds the positions
     (the attended length) and sets the number of splits: a 64-key block each until there are 32,
-    then more blocks each (what measured best from 1,024 to 32,768 keys); any kv_len gives the same
+    then more blocks each (the best of a sweep, bench/RESULTS.md); any kv_len gives the same
     result."""
     splits = min(32, triton.next_power_of_2(triton.cdiv(kv_len, 64)))  # a power of two: the merge
     rows = qkv.shape[0]
@@ -371,12 +371,12 @@ def _chunk_top_k(logits, row_stride, V, top, top_ids, K: tl.constexpr, KB: tl.co
 
 
 @triton.jit
-def _draw(top, top_ids, count, noise, out, temperature, top_p, K: tl.constexpr, KB: tl.constexpr,
-          NB: tl.constexpr, TOP_P: tl.constexpr):
-    # Program r: the K largest of the row's `count` candidates, largest first, divided by the
-    # temperature; with TOP_P, those past the smallest head whose mass reaches top_p masked out;
-    # then argmax(score - log(-log(u))) with u the row's noise (K,): generate.sample's steps, in its
-    # order.
+def _draw(top, top_ids, count, noise, out, inv_temperature, top_p, K: tl.constexpr,
+          KB: tl.constexpr, NB: tl.constexpr, TOP_P: tl.constexpr):
+    # Program r: the K largest of the row's `count` candidates, largest first (ties in id order),
+    # times 1 / temperature; with TOP_P, those past the smallest head whose mass reaches top_p
+    # masked out; then argmax(score - log(-log(u))) with u the row's noise (K,): generate.sample's
+    # steps, in its order.
     r = tl.program_id(0)
     at = tl.arange(0, NB)
     mask = at < count
@@ -384,7 +384,7 @@ def _draw(top, top_ids, count, noise, out, temperature, top_p, K: tl.constexpr, 
     ids = tl.load(top_ids + r * count + at, mask=mask, other=0)
     best, best_ids = _largest(values, ids, K, KB)
     rank = tl.arange(0, KB)
-    scores = best / temperature
+    scores = best * inv_temperature
     if TOP_P:
         e = tl.exp(scores - tl.max(scores, axis=0))
         probs = e / tl.sum(e, axis=0)
@@ -412,7 +412,7 @@ def top_k_draw(logits: Tensor, noise: Tensor, temperature: float, top_p: float) 
                                  CHUNK=SAMPLE_CHUNK)
     count = chunks * top_k
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
-    _draw[(rows,)](top, top_ids, count, noise, out, temperature, top_p, K=top_k, KB=kb,
+    _draw[(rows,)](top, top_ids, count, noise, out, 1.0 / temperature, top_p, K=top_k, KB=kb,
                    NB=triton.next_power_of_2(count), TOP_P=top_p < 1)
     return out
 
@@ -425,6 +425,7 @@ def _(logits, noise, temperature, top_p):
 def sample_top_k(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
     """generate.sample for a top-k filter (0 < top_k <= MAX_TOP_K): the same ids (R,) from logits
     (R, V), from the same noise, drawn here as generate.sample draws it."""
-    scores = logits.float()  # a copy: inductor lowers the product's output slowly without it
+    # fp32 (for bf16 logits a copy: inductor lowers the product's output slowly without one)
+    scores = logits.float()
     noise = torch.rand(scores.shape[0], top_k, device=scores.device)
     return top_k_draw(scores, noise, temperature, top_p)

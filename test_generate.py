@@ -9,9 +9,11 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -358,6 +360,7 @@ def test_parity_with_transformers_bf16(tmp_path):
 
 def test_config_variants():
     base = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 1024, "num_attention_heads": 16,
+            "vocab_size": 1000, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
             "head_dim": 128,
             "num_key_value_heads": 8, "intermediate_size": 3072, "num_hidden_layers": 28}
     assert ModelArgs.from_config({**base, "rope_theta": 5e5}).rope_theta == 5e5
@@ -392,6 +395,19 @@ def test_config_variants():
                 {"rope_theta": "big"}, {"mlp_only_layers": 3.5}, {"rope_parameters": [1]}]:
         with pytest.raises(UserError, match="config.json: "):
             ModelArgs.from_config({**base, **bad})
+    refused = [({"rope_theta": 0}, "rope_theta is 0; it must be above 0"),
+               ({"rms_norm_eps": 0.0}, "rms_norm_eps is 0.0; it must be above 0"),
+               ({"rms_norm_eps": -1e-6}, "rms_norm_eps is -1e-06"),
+               ({"num_attention_heads": 0}, "num_attention_heads is 0"),
+               ({"rope_parameters": {"rope_theta": 0}}, "rope_theta is 0"),
+               ({"quantization": "fp4"}, "quantization 'fp4' is not supported")]
+    for bad, message in refused:
+        with pytest.raises(UserError, match=re.escape(f"config.json: {message}")):
+            ModelArgs.from_config({**base, **bad})
+    for name in ("rms_norm_eps", "max_position_embeddings", "vocab_size", "hidden_size"):
+        config = {key: value for key, value in base.items() if key != name}
+        with pytest.raises(UserError, match=f"config.json: {name} is missing"):
+            ModelArgs.from_config(config)
 
 
 def test_model_py_alone_runs_the_pytorch_path(tiny, tmp_path):
@@ -964,6 +980,48 @@ def test_sampling_settings_from_generation_config_are_checked_as_flags_are():
                          ({"top_k": True}, "top_k True"), ({"top_p": [1]}, "top_p [1]")]:
         with pytest.raises(UserError, match=re.escape(message)):
             G.SamplingParams.from_generation_config({**config, **bad})
+    for bad, message in [({"do_sample": "yes"}, "do_sample 'yes' is not true or false"),
+                         ({"do_sample": 1}, "do_sample 1 is not true or false")]:
+        with pytest.raises(UserError, match=re.escape(f"generation_config.json: {message}")):
+            G.SamplingParams.from_generation_config({**config, **bad})
+    for eos in ([1, "2"], "<|im_end|>", [True], -1, [1.5]):
+        with pytest.raises(UserError, match="generation_config.json: eos_token_id .* is not token"):
+            G.eos_ids({"eos_token_id": eos})
+    assert G.eos_ids({"eos_token_id": 7}) == {7} and G.eos_ids({}) == set()
+
+
+def test_the_python_api_refuses_bad_arguments_naming_them(tiny):
+    """Each a UserError that names the argument: never a hang, a silent setting or a traceback
+    from deep inside."""
+    for settings, message in [(dict(temperature=float("nan")), "temperature nan"),
+                              (dict(temperature=-1), "temperature -1: must be 0 (greedy)"),
+                              (dict(top_k=-1), "top_k -1: must be >= 0"),
+                              (dict(top_p=0), "top_p 0: must be in (0, 1]"),
+                              (dict(top_k="20"), "top_k '20'")]:
+        with pytest.raises(UserError, match=re.escape(message)):
+            G.SamplingParams(**settings)
+    model = Transformer.from_checkpoint(tiny, "cpu", torch.float32)
+    for flags, message in [(dict(batch=0), "batch must be an int of at least 1, not 0"),
+                           (dict(capacity=-5), "capacity must be an int of at least 1, not -5"),
+                           (dict(batch=1.5), "batch must be an int of at least 1, not 1.5")]:
+        with pytest.raises(UserError, match=re.escape(message)):
+            G.Generator(model, **{"batch": 1, "capacity": 64, "sampling": GREEDY, **flags})
+    gen = G.Generator(model, batch=2, capacity=64, sampling=GREEDY)
+    for arguments, message in [(dict(max_new=0), "max_new must be an int of at least 1, not 0"),
+                               (dict(max_new=-3), "max_new must be an int of at least 1"),
+                               (dict(check_every=0), "check_every must be an int of at least 1"),
+                               (dict(prompts=[[1, VOCAB]]), f"token ids in [0, {VOCAB})"),
+                               (dict(prompts=[[-1]]), "token ids in [0,"),
+                               (dict(prompts="hi"), "token ids in [0,"),
+                               (dict(prompts=[["hello"]]), "token ids in [0,")]:
+        call = {"prompts": [[1, 2]], "max_new": 4, "stop_ids": set(), **arguments}
+        with pytest.raises(UserError, match=re.escape(message)):
+            gen.generate(**call)
+    with pytest.raises(UserError, match=re.escape("dtype 'bfloat16' is not a torch.dtype")):
+        G.load(tiny, dtype="bfloat16")
+    if not CUDA:
+        with pytest.raises(UserError, match="device cuda: there is no CUDA device here"):
+            G.load(tiny, device="cuda")
 
 
 # ---------------------------------------------------------------- decode modes
@@ -1440,6 +1498,35 @@ def test_cli_ctrl_c_prints_what_was_generated_and_exits_130(tiny):
     assert r.stdout.startswith("--- hello\n") and "--- world\n" in r.stdout
 
 
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGHUP"])
+def test_cli_stopped_by_a_signal_ends_as_ctrl_c_does(tiny, signal_name):
+    args = ["--device", "cpu", "--checkpoint", tiny, "--max-new-tokens", "100", "--check-every",
+            "2", "--temperature", "1", "--seed", "0", "--prompt", "hello"]
+    patch = CTRL_C_AT_THE_SECOND_CHECK.replace(
+        "raise KeyboardInterrupt", f"os.kill(os.getpid(), signal.{signal_name})")
+    r = with_patch("\n    import os, signal" + patch, "generate.py", *args)
+    assert r.returncode == 130 and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stdout) > 1
+
+
+def test_cli_ctrl_c_while_torch_loads_is_quiet(tiny):
+    """Ctrl-C at once, while the imports run: exit 130, no traceback."""
+    command = [sys.executable, os.path.join(HERE, "generate.py"), "--checkpoint", tiny,
+               "--prompt", "hi", "--device", "cpu"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 130 and "Traceback" not in err, err
+
+
+def test_cli_prompt_too_long_prints_no_stray_line(tiny):
+    r = cli("--device", "cpu", "--checkpoint", tiny, "--prompt", "hello", "--max-new-tokens", "100",
+            "--cache-len", "50")
+    one_line_error(r, "over the cache length")
+    assert r.stdout == ""
+
+
 @pytest.mark.parametrize("args,message", [
     (["--temperature", "-1"], "--temperature: must be 0 (greedy) or at least 0.001, not -1"),
     (["--temperature", "nan"], "--temperature: must be 0 (greedy) or at least 0.001, not nan"),
@@ -1555,15 +1642,15 @@ def test_eos_comes_from_config_json_too(tiny, tmp_path):
 
 def test_report_says_what_a_user_can_act_on():
     stats = G.GenerationStats(prefill_s=0.05, first_step_s=2.0, decode_s=0.5, decode_steps=50)
-    eager = G.report(stats, [[1] * 30], compiled=False)  # no compilation to speak of
+    eager = G.report(stats, [[1] * 30], None)  # no compilation to speak of
     assert eager == ("30 new tokens in 1 row. Time to first token 0.050 s; then 100.0 tok/s per "
                      "row, 100.0 in all, over 50 steps.")
-    compiled = G.report(stats, [[1] * 30, [2] * 52], compiled=True)
+    compiled = G.report(stats, [[1] * 30, [2] * 52], "it compiles the step")
     assert compiled == ("82 new tokens in 2 rows. Time to first token 0.050 s; the first decode "
-                        "step 2.00 s (it sets up the graphs); then 100.0 tok/s per row, 200.0 in "
+                        "step 2.00 s (it compiles the step); then 100.0 tok/s per row, 200.0 in "
                         "all, over 50 steps.")
     one = G.GenerationStats(prefill_s=0.05, first_step_s=0.0, decode_s=0.0, decode_steps=0)
-    assert (G.report(one, [[1]], compiled=True)
+    assert (G.report(one, [[1]], "it captures the graphs")
             == "1 new tokens in 1 row. Time to first token 0.050 s.")
 
 
@@ -1722,18 +1809,27 @@ SAMPLER_RUNS = [pytest.param("cpu", marks=in_interpreter, id="interpreter"),
 @pytest.mark.parametrize("top_k,top_p", [(1, 1.0), (5, 1.0), (20, 0.95), (64, 0.5)])
 def test_kernel_sampler_draws_pytorchs_tokens(device, top_k, top_p):
     """The fast path's top-k draw gives generate.sample's tokens from the same seed: 6 rows of one
-    and a half chunks of logits (the second chunk ragged), 20 draws each."""
+    and a half chunks of logits (the second chunk ragged), 20 draws each; fp32 logits, and logits
+    in steps of 1/4, as bf16 logits tie, within the candidates and at the k-th."""
     torch.manual_seed(0)
-    logits = torch.randn(6, fast.SAMPLE_CHUNK * 3 // 2, device=device)
+    vocab = fast.SAMPLE_CHUNK * 3 // 2
+    logits = torch.randn(6, vocab, device=device)
+    tied = (logits * 8).round() / 4
     params = G.SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p)
-    assert G.sampler(params, True).func is fast.sample_top_k
-    draws = {}
-    for use_kernels in (False, True):
-        draw = G.sampler(params, use_kernels)
-        torch.manual_seed(1)
-        draws[use_kernels] = torch.stack([draw(logits) for _ in range(20)])
-    assert torch.equal(draws[False], draws[True]), (draws[False][:3], draws[True][:3])
-    assert (len(set(draws[True][:, 0].tolist())) > 1) == (top_k > 1)  # fresh noise at every draw
+    assert G.sampler(params, True, vocab).func is fast.sample_top_k
+    for scores in (logits, tied):
+        draws = {}
+        for use_kernels in (False, True):
+            draw = G.sampler(params, use_kernels, vocab)
+            torch.manual_seed(1)
+            draws[use_kernels] = torch.stack([draw(scores) for _ in range(20)])
+        assert torch.equal(draws[False], draws[True]), (draws[False][:3], draws[True][:3])
+        # fresh noise at every draw
+        assert (len(set(draws[True][:, 0].tolist())) > 1) == (top_k > 1)
+    ids = G.top_candidates(tied, 8)[1]  # ties in id order
+    values = tied.gather(-1, ids)
+    assert ((values[:, :-1] > values[:, 1:]) | (ids[:, :-1] < ids[:, 1:])).all()
+    assert G.sampler(params, True, top_k).func is G.sample  # no filter at all: PyTorch's ops
     noise = torch.rand(6, top_k, device=device)
     torch.library.opcheck(torch.ops.qwen3_fast.top_k_draw, (logits, noise, 0.7, top_p))
 
