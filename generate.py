@@ -121,8 +121,8 @@ def sampler(params: SamplingParams, use_kernels: bool, vocab: int):
     """The draw of next ids (R,) from logits (R, V): the fast path's kernel where it takes the
     filter (a top-k of at most qwen3_triton.MAX_TOP_K: the same tokens from the same noise, to the
     rounding of the top-p cut and of the noise's logarithms), else sample."""
-    top_k = use_kernels and params.temperature > 0 and 0 < params.top_k < vocab
-    if top_k and params.top_k <= qwen3_triton.MAX_TOP_K:
+    filtered = use_kernels and params.temperature > 0 and 0 < params.top_k < vocab
+    if filtered and params.top_k <= qwen3_triton.MAX_TOP_K:
         return functools.partial(qwen3_triton.sample_top_k, temperature=params.temperature,
                                  top_k=params.top_k, top_p=params.top_p)
     return functools.partial(sample, params=params)
