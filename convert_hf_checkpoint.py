@@ -1,5 +1,6 @@
-"""Converts a Hugging Face Qwen3 or Qwen3-MoE snapshot into qwen3-fast weights (fused qkv and gate-
-up, each MoE layer's experts stacked; safetensors).
+"""Converts a Hugging Face Qwen3 or Qwen3-MoE snapshot into qwen3-fast weights.
+
+Our weights: fused qkv and gate-up products, each MoE layer's experts stacked, in safetensors.
 
     python convert_hf_checkpoint.py --checkpoint-dir checkpoints/Qwen/Qwen3-8B  # .../converted
     python convert_hf_checkpoint.py --checkpoint-dir checkpoints/Qwen/Qwen3-8B --int8  # ...-int8

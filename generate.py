@@ -1,5 +1,4 @@
-"""Generates text with Qwen3, fast: a decode step that never syncs with the host, compiled or
-graphed.
+"""Generates text with Qwen3, fast: a decode step that never syncs with the host.
 
     python generate.py --compile --prompt "Hello, my name is"  # checkpoints/Qwen/Qwen3-0.6B
     python generate.py --cuda-graph --prompt "Hello, my name is"  # our CUDA graphs: a fast start
@@ -318,8 +317,8 @@ class Generator:
         check_count("check_every", check_every)
         longest = max(map(len, prompts))
         if longest + max_new > self.capacity:
-            raise UserError(f"prompt ({longest} tokens) + max_new ({max_new}) is over the cache "
-                            f"length (capacity {self.capacity})")
+            raise UserError(f"prompt ({longest} tokens) + max new tokens ({max_new}) is over the "
+                            f"cache length ({self.capacity})")
         shortest = min(map(len, prompts))  # the checks read the sequences from there on
         state = self.state
         sync = torch.cuda.synchronize if state.tokens.is_cuda else (lambda: None)

@@ -419,8 +419,8 @@ class Transformer(nn.Module):
         args = self.args
         if capacity > args.max_position_embeddings:
             raise UserError(f"a cache of {capacity} positions is over the model's "
-                            f"{args.max_position_embeddings}: shorten the prompt or ask for "
-                            "fewer new tokens")
+                            f"{args.max_position_embeddings}: ask for a shorter cache, a "
+                            "shorter prompt or fewer new tokens")
         device = self.norm.weight.device
         dtype = self.norm.weight.dtype
         # One spare position, never attended: every attended prefix is then a strict slice of the

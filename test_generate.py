@@ -1715,8 +1715,8 @@ def test_kernel_gemv_matches_reference_ops(device, dtype, tol, N, K):
 @pytest.mark.parametrize("int8,norm_topk_prob", [(False, True), (True, False)])
 def test_kernel_gemv_of_picked_experts_matches_reference_ops(device, dtype, tol, int8,
                                                              norm_topk_prob):
-    """A MoE layer's two products, the experts picked by the kernels from the router's logits: gate-
-    up of each pick (RMSNorm fused), and down of each pick's SiLU-gated input, weighted by its
+    """A MoE layer's two products, the experts picked by the kernels from the router's logits:
+    gate-up of each pick (RMSNorm fused), and down of each pick's SiLU-gated input, weighted by its
     routing weight and summed with the residual. 6 experts (not a power of two), 3 picks."""
     torch.manual_seed(0)
     E, N, K, top_k = 6, 40, 48, 3
