@@ -460,13 +460,16 @@ class Transformer(nn.Module):
 
         kv_positions: the prefix of key_positions to attend over, covering every position written so
         far; None for prompts at positions 0 ... T - 1, which attend causally among themselves
-        (flash attention, no T x T mask). logits_at (R, 1): the index of one token in each row; the
-        logits of those tokens alone, (R, 1, vocab), since a prefill needs no others. packed (N,),
-        with kv_positions None: indices into the flattened (R, T) grid of the tokens that run; the
-        others are never computed (the padding of a batch of prompts). Embeddings, products and MLPs
-        see the N tokens alone, (1, N, hidden); attention puts them back on the grid, where the
-        causal rule keeps each query to its row. A row's tokens that run must be its first ones.
-        Without logits_at, the logits are the packed tokens', (1, N, vocab)."""
+        (flash attention, no T x T mask).
+
+        logits_at (R, 1): the index of one token in each row; the logits of those tokens alone,
+        (R, 1, vocab), since a prefill needs no others.
+
+        packed (N,), with kv_positions None: indices into the flattened (R, T) grid of the tokens
+        that run; the others are never computed (the padding of a batch of prompts). Embeddings,
+        products and MLPs see the N tokens alone, (1, N, hidden); attention puts them back on the
+        grid, where the causal rule keeps each query to its row. A row's tokens that run must be its
+        first ones. Without logits_at, the logits are the packed tokens', (1, N, vocab)."""
         if self.rope_cos is None:
             raise RuntimeError("call setup_cache(slots, capacity) before running the model")
         mask = None
