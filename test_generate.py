@@ -808,7 +808,7 @@ def test_convert_argument_errors_are_one_line(snapshot, capsys):
     r = cli("--help", script=os.path.join(HERE, "convert_hf_checkpoint.py"))
     assert r.returncode == 0 and convert.__doc__.split("\n\n")[0].split()[-1] in r.stdout.split()
     # the whole first paragraph
-    assert " ".join(r.stdout.split()).count("stacked; safetensors).") == 1
+    assert " ".join(r.stdout.split()).count("snapshot into qwen3-fast weights.") == 1
 
 
 def test_convert_refuses_a_snapshot_without_a_tokenizer_or_quantized(snapshot, capsys):
