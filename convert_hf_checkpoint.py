@@ -12,9 +12,11 @@ leaves nothing behind.
 """
 import contextlib
 import dataclasses
+import glob
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import sys
@@ -23,8 +25,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from generate import POSITIVE, ArgumentParser
-from model import ModelArgs, Transformer, UserError, quantize_int8, read_json
+import generate
+from model import (ModelArgs, Transformer, UserError, list_tensors, quantize_int8, read_json,
+                   show_progress)
 
 # Our fused tensors, and the Hugging Face tensors they concatenate
 FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -56,31 +59,16 @@ def read_tensor(file: str, name: str) -> torch.Tensor:
                         "corrupt, download it again") from None
 
 
-def list_tensors(src: pathlib.Path) -> dict[str, str]:
-    """Every tensor name of the snapshot -> the file that holds it."""
-    files = sorted(src.glob("*.safetensors"))
-    if not files:
-        raise UserError(f"{src}: no *.safetensors weights found "
-                        "(safetensors only: .bin/.pt are not read)")
-    tensors = {}
-    for file in files:
-        try:
-            with safe_open(file, "pt") as opened:
-                tensors.update((name, str(file)) for name in opened.keys())
-        except Exception as e:
-            raise UserError(f"{file}: not a readable safetensors file ({e}); "
-                            "download it again") from None
-    return tensors
-
-
 def snapshot_args(src: pathlib.Path, int8: bool) -> ModelArgs:
     """The model of a Hugging Face snapshot, refused where it isn't one we convert."""
     if not (src / "config.json").is_file():
         raise UserError(f"{src}: no config.json; point --checkpoint-dir at a Hugging Face "
                         "Qwen3 snapshot")
-    if not (src / "tokenizer.json").is_file():
-        raise UserError(f"{src}: no tokenizer.json, which generate.py needs; "
-                        "download the whole snapshot")
+    generate.Tokenizer(src)  # refused now if missing or broken, not when generating
+    if (src / "generation_config.json").is_file():  # likewise
+        generation_config = read_json(src / "generation_config.json")
+        generate.SamplingParams.from_generation_config(generation_config)
+        generate.eos_ids(generation_config)
     cfg = read_json(src / "config.json")
     if "quantization_config" in cfg:
         raise UserError(f"{src}: quantized Hugging Face checkpoints are not supported; "
@@ -107,6 +95,10 @@ def joined(src: pathlib.Path, name: str, parts: list[str], files: dict, meta) ->
         if wrong:
             raise UserError(f"{files[wrong[0]]}: {wrong[0]} does not have the shape "
                             f"{part_shape} that config.json implies")
+    broken = [hf for hf, t in zip(parts, tensors, strict=True) if not t.isfinite().all()]
+    if broken:
+        raise UserError(f"{files[broken[0]]}: {broken[0]} holds values that are not finite (inf "
+                        "or nan); download it again")
     weight = torch.cat(tensors)  # experts: (experts x rows, columns)
     if weight.numel() != meta.numel() or weight.shape[-1] != meta.shape[-1]:
         raise UserError(f"{src}: {name} has shape {tuple(weight.shape)}; config.json implies "
@@ -119,7 +111,7 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
     out = pathlib.Path(os.path.abspath(out))  # "." has no name to put beside it
     args = snapshot_args(src, int8)
     if out.exists():  # the source, ".", an old conversion, an empty directory...
-        raise UserError(f"--output {out} exists: choose a new path (nothing is replaced)")
+        raise UserError(f"{out} exists: choose another --output (nothing is replaced)")
     with torch.device("meta"):
         expected = Transformer(args).checkpoint_tensors()
     sources = {}  # our tensor -> its Hugging Face parts; int8 scales come from the weights
@@ -127,13 +119,16 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
         if not name.endswith(".scale"):
             experts = meta.shape[0] if meta.dim() == 3 else 0
             sources[name] = hf_names(name, experts)
-    files = list_tensors(src)
+    files = list_tensors(src, "*.safetensors")
     placed = {hf for parts in sources.values() for hf in parts} | {"lm_head.weight"}
     unknown = files.keys() - placed
     if unknown:
         first = min(unknown)
         raise UserError(f"{files[first]}: tensor {first} has no place in a Qwen3 model")
+    remove_leftovers(out)
     tmp = out.with_name(f".converting-{out.name}-{os.getpid()}")  # beside it, hidden
+    umask = os.umask(0)  # read by setting it: the shards get 0666 less it, as the snapshot's files
+    os.umask(umask)
     made = [p for p in out.parents if not p.exists()]  # the directories we create, deepest first
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -148,8 +143,11 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
             full = sum(t.nbytes for t in shard.values()) >= shard_bytes
             if full or i == len(sources) - 1:
                 # Named by the index of its last tensor: in order, as the loader reads them
-                save_file(shard, tmp / f"model-{i:05d}.safetensors")
+                file = tmp / f"model-{i:05d}.safetensors"
+                save_file(shard, file)
+                file.chmod(0o666 & ~umask)  # save_file makes it private
                 shard = {}
+            show_progress(f"converting {src}", i + 1, len(sources))
         (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
         for name in COPIED:
             if (src / name).is_file():
@@ -163,15 +161,41 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
         raise
 
 
+def remove_leftovers(out: pathlib.Path) -> None:
+    """Removes what earlier conversions to `out` left when killed outright (SIGKILL, the OOM
+    killer: no clean-up runs): a hidden directory named for a process that is gone, holding nothing
+    but files we write. Anything else stays."""
+    names = ["model-\\d{5}\\.safetensors", "config\\.json", *map(re.escape, COPIED)]
+    ours = re.compile("|".join(names))
+    for leftover in out.parent.glob(f".converting-{glob.escape(out.name)}-*"):
+        pid = leftover.name.rsplit("-", 1)[-1]
+        if leftover.is_symlink() or not leftover.is_dir() or running(pid):
+            continue
+        if all(ours.fullmatch(file.name) and file.is_file() for file in leftover.iterdir()):
+            shutil.rmtree(leftover)
+            print(f"removed {leftover}, left by a conversion that was killed", file=sys.stderr)
+
+
+def running(pid: str) -> bool:
+    """Whether process `pid` may exist: anything but a number of no process counts as running."""
+    try:
+        os.kill(int(pid), 0)  # signal 0: nothing is sent, the process is only looked up
+    except ProcessLookupError:
+        return False
+    except (ValueError, OSError):  # not a number, or someone else's process
+        return True
+    return True
+
+
 def main(argv=None):
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = generate.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint-dir", required=True,
                         help="a Hugging Face Qwen3 snapshot (config.json + *.safetensors)")
     parser.add_argument("--output", help="where to write (default: CHECKPOINT_DIR/converted, "
                         "or converted-int8)")
     parser.add_argument("--int8", action="store_true",
                         help="int8 weight-only (the blocks, an untied lm_head)")
-    parser.add_argument("--shard-size-mb", type=POSITIVE, default=2048,
+    parser.add_argument("--shard-size-mb", type=generate.POSITIVE, default=2048,
                         help="size of each output file")
     # SIGTERM and SIGHUP (`timeout`, a closed terminal, a job scheduler) stop it as Ctrl-C does,
     # through the clean-up of convert
@@ -182,12 +206,13 @@ def main(argv=None):
         name = "converted-int8" if args.int8 else "converted"
         out = args.output or os.path.join(args.checkpoint_dir, name)
         convert(args.checkpoint_dir, out, args.int8, args.shard_size_mb << 20)
-    except (UserError, OSError, SafetensorError) as e:  # a full disk: either; the output is gone
-        sys.exit(f"error: {e}")
+        print(f"wrote {out}", flush=True)
     except KeyboardInterrupt:
         print("interrupted: nothing was written", file=sys.stderr)
         sys.exit(130)
-    print(f"wrote {out}")
+    # A full disk: either error while the output is written, which is then gone; or a full stdout
+    except (UserError, OSError, SafetensorError) as e:
+        generate.exit_with(e)
 
 
 if __name__ == "__main__":

@@ -138,26 +138,19 @@ class DecodeState:
         # The token each row feeds next, and its position
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        for tensor in vars(self).values():  # cudagraph trees: inputs, not copies
-            torch._dynamo.mark_static_address(tensor)
 
 
 def prefill_prompts(model: Transformer, draw, state: DecodeState, positions: torch.Tensor,
-                    running: int) -> None:
-    """The prompts in state.sequences, padded after their ends, into cache rows 0 ... R - 1 at
-    `positions` (R, T), 0 ... T - 1 in every row; each row's first token drawn from the logits at
-    its last prompt token (its length, in state.positions) into state.tokens and the row's sequence.
-    Device-side only, as decode_one_token. `running`: how many of the grid's R x T tokens run, every
-    prompt's first, then padding (see Transformer.forward, packed)."""
-    count, length = positions.shape
-    packed = None  # every token of the grid runs
-    if running < positions.numel():
-        is_prompt = positions < state.positions[:count]  # (R, T)
-        # A stable sort puts the prompts' tokens first (True first), each row's in order
-        order = is_prompt.flatten().argsort(descending=True, stable=True)
-        packed = order[:running]
-    last = state.positions[:count] - 1  # (R, 1)
-    logits = model(state.sequences[:count, :length], positions, logits_at=last, packed=packed)
+                    kv_positions: torch.Tensor | None) -> None:
+    """The prompts in state.sequences at `positions` (R, T), padded after their ends, into cache
+    rows 0 ... R - 1; each row's first token drawn from the logits at its last prompt token (just
+    before state.positions) into state.tokens and the row's sequence. kv_positions: None for
+    prompts from position 0; else the prefix of the cache that prompts continuing their rows'
+    cached tokens attend to. Device-side only, as decode_one_token."""
+    count = positions.shape[0]
+    tokens = state.sequences[:count].gather(1, positions)  # (R, T)
+    last = state.positions[:count] - positions[:, :1] - 1  # (R, 1): the last prompt token's index
+    logits = model(tokens, positions, kv_positions, logits_at=last)
     state.tokens[:count, 0] = draw(logits[:, -1])
     state.sequences.scatter_(1, state.positions, state.tokens)
 
@@ -186,7 +179,7 @@ def bucket(length: int, capacity: int) -> int:
 
 
 class CUDAGraphs:
-    """Calls fn(*args) as CUDA graphs, one per shape of the arguments (of an int: its value). The
+    """Calls fn(*args) as CUDA graphs, one per shape of the arguments (None: no tensor). The
     first call with a shape runs fn for real on a side stream (the warm-up, where lazy
     initialisation and Triton's compilation happen, outside any capture), then captures it. Capture
     records kernels without running them, so it changes no tensor: the state the warm-up advanced is
@@ -199,8 +192,8 @@ class CUDAGraphs:
         # One pool of intermediate buffers for every graph
         self.pool = torch.cuda.graph_pool_handle()
 
-    def __call__(self, *args: torch.Tensor | int) -> None:
-        shape = tuple(getattr(arg, "shape", arg) for arg in args)  # an int stands for itself
+    def __call__(self, *args: torch.Tensor | None) -> None:
+        shape = tuple(getattr(arg, "shape", arg) for arg in args)  # None stands for itself
         if shape in self.graphs:
             self.graphs[shape].replay()
             return
@@ -257,7 +250,11 @@ class Generator:
         self.capacity = capacity
         self.state = DecodeState(batch, capacity, device)
         self.bucketed = compile or cuda_graph  # prompts padded to a few lengths, a graph each
+        self.compiled = compile
         if compile:
+            # torch._dynamo is imported here alone: it takes seconds
+            for tensor in vars(self.state).values():  # cudagraph trees: inputs, not copies
+                torch._dynamo.mark_static_address(tensor)
             # Inductor's own random numbers differ from eager's: this makes it call eager's, so that
             # one seed gives one stream of noise in every mode (process-wide; torch has no narrower
             # one).
@@ -266,91 +263,96 @@ class Generator:
         if use_kernels and batch == 1:  # the fast path's products take one token
             forward = functools.partial(qwen3_triton.forward_one_token, model)
         draw = sampler(sampling, use_kernels, model.args.vocab_size)
-        decode = functools.partial(decode_one_token, forward, draw, self.state)
+        self.graphed = cuda_graph
+        self.step = self.in_mode(functools.partial(decode_one_token, forward, draw, self.state))
         prefill = functools.partial(prefill_prompts, model, draw, self.state)
-        if compile:
-            decode = torch.compile(decode, mode="reduce-overhead", fullgraph=True)
-            prefill = torch.compile(prefill, mode="reduce-overhead", fullgraph=True)
-        if cuda_graph:
-            decode = CUDAGraphs(decode)
-            prefill = CUDAGraphs(prefill)
-        self.step = decode
-        self.prefill_step = prefill
+        self.prefill_step = self.in_mode(prefill)
 
-    def decode_step(self, needed: int) -> None:
-        """One step for every row; the rows' positions so far fit in the first `needed` of the
-        cache."""
+    def in_mode(self, step):
+        """A step as the Generator runs it: eagerly, compiled, or as our CUDA graphs."""
+        if self.compiled:
+            return torch.compile(step, mode="reduce-overhead", fullgraph=True)
+        if self.graphed:
+            return CUDAGraphs(step)
+        return step
+
+    def attended(self, needed: int) -> torch.Tensor:
+        """The prefix of the cache's positions that a step attends to, when every position written
+        so far is below `needed`: its bucket."""
         kv_positions = self.model.key_positions[:bucket(needed, self.capacity)]
-        torch._dynamo.maybe_mark_dynamic(kv_positions, 0)  # compiled once for every attended length
-        self.step(kv_positions)
+        if self.compiled:  # compiled once for every attended length
+            torch._dynamo.maybe_mark_dynamic(kv_positions, 0)
+        return kv_positions
 
-    def prefill(self, prompts: list[list[int]]) -> None:
-        """Every prompt into its cache row in one forward, padded to the longest (to its bucket when
-        compiled or graphed); each row's first token drawn from its last prompt token into the
-        state. The padding lies after each prompt's end, where the causal rule hides it from every
-        real query, and each decode step writes its own key and value over it before any query can
-        read that position. Of several prompts, their tokens alone run (and padding up to a bucket
-        of their total): the products and MLPs skip the rest of the padding."""
+    def prefill(self, prompts: list[list[int]], start: int = 0) -> None:
+        """Every prompt into its cache row at positions start ... in one forward, padded to the
+        longest (to its bucket when compiled or graphed); each row's first token drawn from its
+        last prompt token into the state. The padding lies after each prompt's end, where the causal
+        rule hides it from every real query, and each decode step writes its own key and value over
+        it before any query can read that position."""
         state = self.state
         count = len(prompts)
         length = max(map(len, prompts))
         if self.bucketed:
-            length = bucket(length, self.capacity)
+            length = bucket(length, self.capacity - start)
         padded = [prompt + [0] * (length - len(prompt)) for prompt in prompts]
-        state.sequences[:count, :length] = torch.tensor(padded)
+        state.sequences[:count, start:start + length] = torch.tensor(padded)
         state.positions.zero_()
-        state.positions[:count, 0] = torch.tensor([len(prompt) for prompt in prompts])
-        running = bucket(sum(map(len, prompts)), count * length)  # the padding beyond never runs
-        positions = self.model.key_positions[:length].expand(count, -1)
-        self.prefill_step(positions, running)
+        state.positions[:count, 0] = torch.tensor([start + len(prompt) for prompt in prompts])
+        positions = self.model.key_positions[start:start + length].expand(count, -1)
+        kv_positions = None  # prompts from position 0 attend among themselves
+        if start:
+            kv_positions = self.attended(start + length)
+        self.prefill_step(positions, kv_positions)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], *, max_new: int, stop_ids: set,
-                 check_every: int = 16, on_tokens=None) -> tuple[list[list[int]], GenerationStats]:
+                 check_every: int = 16, on_tokens=None,
+                 start: int = 0) -> tuple[list[list[int]], GenerationStats]:
         """Each prompt in its own cache row at its own length until every row has produced a stop
         token or max_new tokens. Returns each row's new tokens, cut before its first stop token, and
         timings. on_tokens(rows) gets the tokens so far at each check. Sampling draws from torch's
         random generator: torch.manual_seed makes the tokens reproducible, the same in every
-        mode."""
+        mode. start: the prompts' first position, past the tokens that the rows keep in the cache
+        from before (a conversation's earlier turns, see Chat); only the prompts are prefilled."""
         self.check_prompts(prompts)
         check_count("max_new", max_new)
         check_count("check_every", check_every)
-        longest = max(map(len, prompts))
+        if type(start) is not int or start < 0:
+            raise UserError(f"start must be an int of at least 0, not {start!r}")
+        longest = start + max(map(len, prompts))  # where the longest prompt ends
         if longest + max_new > self.capacity:
             raise UserError(f"prompt ({longest} tokens) + max new tokens ({max_new}) is over the "
                             f"cache length ({self.capacity})")
-        shortest = min(map(len, prompts))  # the checks read the sequences from there on
+        shortest = start + min(map(len, prompts))  # the checks read the sequences from there on
         state = self.state
-        sync = torch.cuda.synchronize if state.tokens.is_cuda else (lambda: None)
-        t0 = time.perf_counter()
-        self.prefill(prompts)
-        sync()
-        t1 = time.perf_counter()
+        times = [time.perf_counter()]  # the start, then the end of each check
+        self.prefill(prompts, start)
         produced = 1  # tokens per row so far
-        if max_new > 1:  # the first decode step, timed alone: compilation and capture happen here
-            self.decode_step(longest + produced)
-            produced += 1
-        sync()
-        t2 = time.perf_counter()
         while True:
             # One sync a check: every row's tokens from the shortest prompt's end on
             tails = state.sequences[:len(prompts), shortest:longest + produced].tolist()
             rows = []
             for tail, prompt in zip(tails, prompts, strict=True):
-                start = len(prompt) - shortest
-                rows.append(tail[start:start + produced])
+                first = start + len(prompt) - shortest
+                rows.append(tail[first:first + produced])
             ends = [stop_index(row, stop_ids) for row in rows]
             done = [row[:end] for row, end in zip(rows, ends, strict=True)]
             if on_tokens:
                 on_tokens(done)
+            times.append(time.perf_counter())
             if produced == max_new or None not in ends:
                 break
-            for _ in range(min(check_every, max_new - produced)):
-                self.decode_step(longest + produced)
+            # The first check comes right after the prefill, the second after the first decode
+            # step (compilation and graph capture happen there, timed apart), then every
+            # check_every steps
+            steps = 1 if produced == 1 else min(check_every, max_new - produced)
+            for _ in range(steps):
+                self.step(self.attended(longest + produced))
                 produced += 1
-        stats = GenerationStats(prefill_s=t1 - t0, first_step_s=t2 - t1,
-                                decode_s=time.perf_counter() - t2,
-                                decode_steps=max(produced - 2, 0))
+        times += times[-1:] * 2  # no first or later steps: they took no time
+        stats = GenerationStats(prefill_s=times[1] - times[0], first_step_s=times[2] - times[1],
+                                decode_s=times[-1] - times[2], decode_steps=max(produced - 2, 0))
         return done, stats
 
     def check_prompts(self, prompts) -> None:
@@ -369,19 +371,9 @@ def check_count(name: str, value) -> None:
         raise UserError(f"{name} must be an int of at least 1, not {value!r}")
 
 
-# Qwen3's ChatML, for a checkpoint that ships no chat template of its own.
-CHATML = (
-    "{% for m in messages %}"
-    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
-    "{% endif %}")
-
-
 class Tokenizer:
     """The checkpoint's tokenizer.json (Qwen3 adds no BOS) and its chat template:
-    chat_template.jinja, or tokenizer_config.json's chat_template, else Qwen3's ChatML."""
+    chat_template.jinja, or tokenizer_config.json's chat_template."""
 
     def __init__(self, path: str):
         import tokenizers
@@ -390,10 +382,10 @@ class Tokenizer:
             self.tokenizer = tokenizers.Tokenizer.from_file(str(file))
         except Exception as e:  # the tokenizers library's own error type
             raise UserError(f"{file}: no readable tokenizer ({e}); "
-                            "copy it from the snapshot") from None
+                            "download it again, or copy it from the snapshot") from None
         config_file = pathlib.Path(path, "tokenizer_config.json")
         config = read_json(config_file) if config_file.is_file() else {}
-        self.chat_template = config.get("chat_template") or CHATML
+        self.chat_template = config.get("chat_template")
         template_file = pathlib.Path(path, "chat_template.jinja")
         if template_file.is_file():  # where newer snapshots keep it; transformers prefers it too
             self.chat_template = template_file.read_text(encoding="utf-8")
@@ -407,13 +399,15 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def chat(self, user: str, system: str | None = None, thinking: bool = True) -> str:
-        """One user turn rendered with the chat template, opening the assistant's reply, as
-        transformers' apply_chat_template(add_generation_prompt=True) renders it; thinking=False:
+    def chat(self, messages: list[dict], thinking: bool = True) -> str:
+        """A conversation, messages {"role": "system", "user" or "assistant", "content": text},
+        rendered with the chat template and opening the assistant's reply, as transformers'
+        apply_chat_template(messages, add_generation_prompt=True) renders it; thinking=False:
         enable_thinking=False."""
+        if not self.chat_template:
+            raise UserError("the checkpoint has no chat template (chat_template.jinja, or "
+                            "chat_template in tokenizer_config.json): copy it from the snapshot")
         import jinja2.sandbox
-        messages = [{"role": "system", "content": system}] if system else []
-        messages.append({"role": "user", "content": user})
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         try:
@@ -495,19 +489,24 @@ class TextStream:
                 print(f"--- {prompt}\n{self.decode(row)}", file=self.file)
 
 
-def report(stats: GenerationStats, rows: list[list[int]], first_step: str | None) -> str:
-    """The line on stderr after a generation: what came out, the time to first token, the rate.
-    first_step: what the first decode step does besides decoding (it is timed apart), or None."""
-    plural = "s" if len(rows) > 1 else ""
-    line = f"{sum(map(len, rows))} new tokens in {len(rows)} row{plural}"
+def report(stats: GenerationStats, rows: list[list[int]]) -> str:
+    """The line on stderr after a generation: what came out, the time to first token, the first
+    decode step (timed apart: compilation and graph capture happen there), the rate."""
+    line = f"{counted(sum(map(len, rows)), 'new token')} in {counted(len(rows), 'row')}"
     line += f". Time to first token {stats.prefill_s:.3f} s"
-    if stats.first_step_s and first_step:
-        line += f"; the first decode step {stats.first_step_s:.2f} s ({first_step})"
+    if stats.first_step_s:
+        line += f"; the first decode step {stats.first_step_s:.2f} s"
     if stats.decode_steps:
         rate = stats.decode_steps / stats.decode_s
         line += f"; then {rate:.1f} tok/s per row, {rate * len(rows):.1f} in all"
-        line += f", over {stats.decode_steps} steps"
+        line += f", over {counted(stats.decode_steps, 'step')}"
     return line + "."
+
+
+def counted(number: int, noun: str) -> str:
+    """'1 step', '2 steps'."""
+    plural = "" if number == 1 else "s"
+    return f"{number} {noun}{plural}"
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -517,42 +516,38 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__.split("\n")[0])
-    group = parser.add_argument_group("model")
-    group.add_argument("--checkpoint", default="checkpoints/Qwen/Qwen3-0.6B/converted",
-                       help="a directory that convert_hf_checkpoint.py wrote")
+    parser.add_argument("--checkpoint", default="checkpoints/Qwen/Qwen3-0.6B/converted",
+                        help="a directory that convert_hf_checkpoint.py wrote")
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
-    group.add_argument("--device", default=default_device, help="cpu, cuda or cuda:N")
-    group.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
-                       help="default: bf16 on CUDA, fp32 on the CPU")
-    group = parser.add_argument_group("prompt")
-    group.add_argument("--prompt", action="append",
-                       help="repeat it for a batch: one cache row per prompt")
-    group.add_argument("--chat", action="store_true",
-                       help="wrap each prompt in the checkpoint's chat template")
-    group.add_argument("--system", help="system message for --chat")
-    group.add_argument("--no-think", action="store_true",
-                       help="with --chat: answer without a thinking block")
-    group = parser.add_argument_group(
-        "sampling (defaults: the checkpoint's generation_config.json, else greedy)")
-    group.add_argument("--temperature", type=SAMPLING_CHECKS["temperature"], help="0 is greedy")
-    group.add_argument("--top-k", type=SAMPLING_CHECKS["top_k"], help="0 keeps every token")
-    group.add_argument("--top-p", type=SAMPLING_CHECKS["top_p"], help="1 keeps every token")
+    parser.add_argument("--device", default=default_device, help="cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
+                        help="default: bf16 on CUDA, fp32 on the CPU")
+    parser.add_argument("--prompt", action="append",
+                        help="repeat it for a batch: one cache row per prompt")
+    parser.add_argument("--chat", action="store_true",
+                        help="wrap each prompt in the checkpoint's chat template")
+    parser.add_argument("--system", help="system message for --chat")
+    parser.add_argument("--no-think", action="store_true",
+                        help="with --chat: answer without a thinking block")
+    # Sampling: the checkpoint's generation_config.json by default, else greedy
+    parser.add_argument("--temperature", type=SAMPLING_CHECKS["temperature"], help="0 is greedy")
+    parser.add_argument("--top-k", type=SAMPLING_CHECKS["top_k"], help="0 keeps every token")
+    parser.add_argument("--top-p", type=SAMPLING_CHECKS["top_p"], help="1 keeps every token")
     seed = checked(int, "in [0, 2^64)", lambda value: 0 <= value < 1 << 64)
-    group.add_argument("--seed", type=seed,
-                       help="the same seed gives the same text, in every mode")
-    group.add_argument("--max-new-tokens", type=POSITIVE, default=200)
-    group.add_argument("--stop-ids", type=int, nargs="*", default=[],
-                       help="stop tokens besides the model's eos")
-    group = parser.add_argument_group("speed")
-    modes = group.add_mutually_exclusive_group()
+    parser.add_argument("--seed", type=seed,
+                        help="the same seed gives the same text, in every mode")
+    parser.add_argument("--max-new-tokens", type=POSITIVE, default=200)
+    parser.add_argument("--stop-ids", type=int, nargs="*", default=[],
+                        help="stop tokens besides the model's eos")
+    modes = parser.add_mutually_exclusive_group()
     modes.add_argument("--compile", action="store_true",
                        help="torch.compile the prefill and decode steps")
     modes.add_argument("--cuda-graph", action="store_true",
                        help="replay the prefill and decode steps as our CUDA graphs")
-    group.add_argument("--check-every", type=POSITIVE, default=16,
-                       help="decode steps between stop checks")
-    group.add_argument("--cache-len", type=POSITIVE,
-                       help="KV cache positions (default: prompt + max new tokens)")
+    parser.add_argument("--check-every", type=POSITIVE, default=16,
+                        help="decode steps between stop checks")
+    parser.add_argument("--cache-len", type=POSITIVE,
+                        help="KV cache positions (default: prompt + max new tokens)")
     args = parser.parse_args(argv)
     if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         raise UserError(f"unknown device {args.device!r}: use cpu, cuda or cuda:N")
@@ -572,14 +567,20 @@ def main(argv=None):
     signal.signal(signal.SIGHUP, signal.default_int_handler)
     try:
         run(parse_args(argv))
-    except UserError as e:
-        sys.exit(f"error: {e}")
     except KeyboardInterrupt:  # what was generated is printed already
         sys.exit(130)
-    except BrokenPipeError:  # stdout closed early (`| head`): stop quietly, as Unix tools do
-        # No second error at exit's flush
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (UserError, OSError) as e:  # OSError: a file, or stdout closed early or full
+        exit_with(e)
+
+
+def exit_with(error: Exception):
+    """Exits with one line for `error`; quietly on a stdout closed early (`| head`), as Unix tools
+    do."""
+    # Nothing more to stdout: a full or closed one fails again at exit's flush
+    sys.stdout = open(os.devnull, "w")  # open until the exit
+    if isinstance(error, BrokenPipeError):
         sys.exit(141)
+    sys.exit(f"error: {error}")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -588,7 +589,8 @@ def run(args: argparse.Namespace) -> None:
     texts = args.prompt or []
     if not (texts and all(text.strip() for text in texts)):
         raise UserError("empty prompt: give --prompt TEXT")
-    print(f"loading {args.checkpoint} ...", file=sys.stderr, flush=True)
+    if not sys.stderr.isatty():  # a terminal gets a progress line instead
+        print(f"loading {args.checkpoint} ...", file=sys.stderr, flush=True)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     checkpoint = load(args.checkpoint, args.device, dtype)
     given = [name for name in SAMPLING_CHECKS if getattr(args, name) is not None]
@@ -597,7 +599,9 @@ def run(args: argparse.Namespace) -> None:
     tokenizer = checkpoint.tokenizer
     if args.chat:
         thinking = not args.no_think
-        texts = [tokenizer.chat(text, args.system, thinking=thinking) for text in texts]
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        turns = [[*system, {"role": "user", "content": text}] for text in texts]
+        texts = [tokenizer.chat(messages, thinking=thinking) for messages in turns]
     prompts = [tokenizer.encode(text) for text in texts]
     # Too long for the model: setup_cache says so
     capacity = args.cache_len or max(map(len, prompts)) + args.max_new_tokens
@@ -610,12 +614,7 @@ def run(args: argparse.Namespace) -> None:
                                    check_every=args.check_every, on_tokens=stream)
     finally:  # on Ctrl-C too: what was generated so far
         stream.finish()
-    first_step = None
-    if args.compile:
-        first_step = "it compiles the step"
-    if args.cuda_graph:
-        first_step = "it captures the graphs"
-    print(report(stats, rows, first_step), file=sys.stderr)
+    print(report(stats, rows), file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -8,11 +8,13 @@ modules' weights.
 import json
 import math
 import pathlib
+import sys
 from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors import safe_open
 from torch import Tensor
 
 
@@ -32,17 +34,43 @@ def read_json(path) -> dict:
     return value
 
 
+def show_progress(what: str, done: int, total: int) -> None:
+    """`what` and the share of it done, redrawn in place on stderr where stderr is a terminal (a
+    log gets nothing); the line ends when done reaches total."""
+    if sys.stderr.isatty():
+        end = "\n" if done == total else ""
+        print(f"\r{what}: {100 * done // total}%", end=end, file=sys.stderr, flush=True)
+
+
+def list_tensors(directory, pattern: str) -> dict[str, str]:
+    """Every tensor's name in the safetensors files `pattern` of `directory` -> the file that holds
+    it, read from the headers alone. A name in two files is refused: which one holds the weight is
+    anyone's guess."""
+    files = sorted(pathlib.Path(directory).glob(pattern))
+    if not files:
+        raise UserError(f"{directory}: no {pattern} files (weights are read from safetensors "
+                        "alone); download or convert it again")
+    tensors = {}
+    for file in files:
+        try:
+            with safe_open(file, "pt") as opened:
+                names = list(opened.keys())
+        except Exception as e:  # safetensors' own error type: a truncated or corrupt file
+            raise UserError(f"{file}: not a readable safetensors file ({e}); "
+                            "download or convert it again") from None
+        twice = sorted(tensors.keys() & set(names))
+        if twice:
+            raise UserError(f"{file}: tensor {twice[0]} is in {tensors[twice[0]]} too; "
+                            "download or convert it again")
+        tensors.update(dict.fromkeys(names, str(file)))
+    return tensors
+
+
 # The supported architectures, each with its model_type
 SUPPORTED = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 # The JSON types a config.json value may have, by the type of its ModelArgs field. A bool is no int
 # here.
-CONFIG_TYPES = {
-    int: (int,),
-    float: (int, float),
-    bool: (bool,),
-    list[int]: (list,),
-    dict: (dict,),
-}
+CONFIG_TYPES = {int: (int,), float: (int, float), bool: (bool,), list[int]: (list,), dict: (dict,)}
 
 
 # What config.json must give, each above 0: no default is safe for these
@@ -172,11 +200,8 @@ def rope_frequencies(args: ModelArgs) -> tuple[Tensor, float]:
         return dim * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(args.rope_theta))
     low = dimension(yarn.get("beta_fast") or 32)
     high = dimension(yarn.get("beta_slow") or 1)
-    if yarn.get("truncate", True):
-        low = math.floor(low)
-        high = math.ceil(high)
-    low = max(low, 0)
-    high = min(high, dim - 1)
+    low = max(math.floor(low), 0)
+    high = min(math.ceil(high), dim - 1)
     if high == low:
         high += 0.001  # as transformers: no division by zero
     # 0 below `low` (the original frequency), 1 above `high` (the interpolated one)
@@ -232,17 +257,15 @@ class StaticKVCache(nn.Module):
         self.register_buffer("k", k, persistent=False)
         self.register_buffer("v", torch.zeros_like(k), persistent=False)
 
-    def update(self, first_row: int, positions: Tensor, keys: Tensor, values: Tensor,
-               kv_len: int):
-        """Writes keys, values (R, T, kv_heads, head_dim) into rows first_row ... first_row + R - 1
-        at their positions (R, T); returns those rows' keys and values at positions [0, kv_len)."""
+    def update(self, positions: Tensor, keys: Tensor, values: Tensor, kv_len: int):
+        """Writes keys, values (R, T, kv_heads, head_dim) into rows 0 ... R - 1 at their positions
+        (R, T); returns those rows' keys and values at positions [0, kv_len)."""
         count = positions.shape[0]
-        rows = torch.arange(first_row, first_row + count, device=positions.device)
+        rows = torch.arange(count, device=positions.device)[:, None]
         # (R, 1) and (R, T) index the row and position dims: their (R, T) comes first, heads after
-        self.k[rows[:, None], :, positions] = keys
-        self.v[rows[:, None], :, positions] = values
-        last = first_row + count
-        return self.k[first_row:last, :, :kv_len], self.v[first_row:last, :, :kv_len]
+        self.k[rows, :, positions] = keys
+        self.v[rows, :, positions] = values
+        return self.k[:count, :, :kv_len], self.v[:count, :, :kv_len]
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -256,28 +279,11 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 @dataclass
 class ForwardContext:
     """What every layer needs to know about one forward's tokens besides their activations."""
-    first_row: int  # the cache row of the batch's first row
     positions: Tensor  # (R, T) the tokens' absolute positions: the grid of rows and tokens
     cos: Tensor  # (R, T, 1, head_dim) RoPE at those positions
     sin: Tensor  # the same for sin, with rotate_half's signs (see apply_rope)
     mask: Tensor | None  # (R, 1, T, kv_len), True where a query may attend; None: causal
     kv_len: int  # the attended prefix of the cache: every position so far is below it
-    packed: Tensor | None  # (N,) indices into the flattened grid of the tokens that run; None: all
-
-    def pack(self, grid: Tensor) -> Tensor:
-        """The tokens that run: grid (R, T, ...) as it is, or packed, (1, N, ...)."""
-        if self.packed is None:
-            return grid
-        return grid.flatten(0, 1)[self.packed][None]
-
-    def unpack(self, x: Tensor) -> Tensor:
-        """The inverse of pack: packed activations (1, N, C) on the grid (R, T, C), zeros where a
-        token didn't run."""
-        if self.packed is None:
-            return x
-        grid = x.new_zeros(self.positions.numel(), x.shape[-1])  # (R x T, C)
-        grid.index_copy_(0, self.packed, x[0])
-        return grid.unflatten(0, self.positions.shape)
 
 
 class Attention(nn.Module):
@@ -294,19 +300,17 @@ class Attention(nn.Module):
         self.kv_cache: StaticKVCache | None = None
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
-        # Packed tokens attend on their grid: a row per prompt, so the causal rule keeps each to its
-        # row.
-        qkv = ctx.unpack(self.qkv_proj(x))  # (R, T, (heads + 2 kv_heads) x head_dim)
+        qkv = self.qkv_proj(x)  # (R, T, (heads + 2 kv_heads) x head_dim)
         heads = qkv.unflatten(-1, (-1, self.head_dim))  # (R, T, heads + 2 kv_heads, head_dim)
         q, k, v = heads.split([self.n_heads, self.n_kv, self.n_kv], dim=2)
         q = apply_rope(self.q_norm(q), ctx.cos, ctx.sin)
         k = apply_rope(self.k_norm(k), ctx.cos, ctx.sin)
-        keys, values = self.kv_cache.update(ctx.first_row, ctx.positions, k, v, ctx.kv_len)
+        keys, values = self.kv_cache.update(ctx.positions, k, v, ctx.kv_len)
         y = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys, values, attn_mask=ctx.mask,
             is_causal=ctx.mask is None, enable_gqa=True)  # (R, heads, T, head_dim)
         y = y.transpose(1, 2).flatten(2)  # (R, T, heads x head_dim)
-        return self.o_proj(ctx.pack(y))
+        return self.o_proj(y)
 
 
 class MLP(nn.Module):
@@ -404,7 +408,10 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        # An empty weight: nn.Embedding's own random init would load torch._dynamo (seconds) to run
+        # on the meta device, where checkpoints are built, and a checkpoint replaces it anyway
+        empty = torch.empty(args.vocab_size, args.hidden_size)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, _weight=empty)
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_hidden_layers))
         self.norm = nn.RMSNorm(args.hidden_size, args.rms_norm_eps)
         # A tied lm_head is the embedding, never quantized
@@ -453,23 +460,16 @@ class Transformer(nn.Module):
                 module.grouped_mm = grouped_mm
 
     def forward(self, tokens: Tensor, positions: Tensor, kv_positions: Tensor | None = None,
-                first_row: int = 0, logits_at: Tensor | None = None,
-                packed: Tensor | None = None) -> Tensor:
-        """Logits (R, T, vocab) of tokens (R, T) at `positions` (R, T), in cache rows first_row ...
-        first_row + R - 1.
+                logits_at: Tensor | None = None) -> Tensor:
+        """Logits (R, T, vocab) of tokens (R, T) at `positions` (R, T), in cache rows 0 ... R - 1.
 
         kv_positions: the prefix of key_positions to attend over, covering every position written so
-        far; None for prompts at positions 0 ... T - 1, which attend causally among themselves
-        (flash attention, no T x T mask).
+        far: a decode step, or tokens that continue a row's cached ones; None for prompts at
+        positions 0 ... T - 1, which attend causally among themselves (flash attention, no T x T
+        mask).
 
         logits_at (R, 1): the index of one token in each row; the logits of those tokens alone,
-        (R, 1, vocab), since a prefill needs no others.
-
-        packed (N,), with kv_positions None: indices into the flattened (R, T) grid of the tokens
-        that run; the others are never computed (the padding of a batch of prompts). Embeddings,
-        products and MLPs see the N tokens alone, (1, N, hidden); attention puts them back on the
-        grid, where the causal rule keeps each query to its row. A row's tokens that run must be its
-        first ones. Without logits_at, the logits are the packed tokens', (1, N, vocab)."""
+        (R, 1, vocab), since a prefill needs no others."""
         if self.rope_cos is None:
             raise RuntimeError("call setup_cache(slots, capacity) before running the model")
         mask = None
@@ -481,13 +481,12 @@ class Transformer(nn.Module):
             mask = (kv_positions <= positions[..., None])[:, None]
         cos = self.rope_cos[positions][:, :, None]
         sin = self.rope_sin[positions][:, :, None]
-        ctx = ForwardContext(first_row=first_row, positions=positions, cos=cos, sin=sin,
-                             mask=mask, kv_len=kv_len, packed=packed)
-        x = self.embed_tokens(ctx.pack(tokens))
+        ctx = ForwardContext(positions=positions, cos=cos, sin=sin, mask=mask, kv_len=kv_len)
+        x = self.embed_tokens(tokens)
         for layer in self.layers:
             x = layer(x, ctx)
         if logits_at is not None:
-            x = ctx.unpack(x).take_along_dim(logits_at[..., None], dim=1)  # (R, 1, hidden)
+            x = x.take_along_dim(logits_at[..., None], dim=1)  # (R, 1, hidden)
         return self.lm_head(self.norm(x))
 
     def checkpoint_tensors(self) -> dict[str, Tensor]:
@@ -500,9 +499,8 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_checkpoint(cls, path: str, device, dtype) -> "Transformer":
-        """Loads a directory written by convert_hf_checkpoint.py, straight to `device` (no second
-        copy)."""
-        from safetensors.torch import load_file
+        """Loads a directory written by convert_hf_checkpoint.py, straight to `device`: a tensor
+        at a time from its file, no second copy in host or device memory."""
         config = pathlib.Path(path, "config.json")
         if not config.is_file():
             raise UserError(f"no converted checkpoint at {path}: download a Hugging Face "
@@ -513,29 +511,25 @@ class Transformer(nn.Module):
             raise UserError(f"{path} is a Hugging Face snapshot: convert it first "
                             f"(python convert_hf_checkpoint.py --checkpoint-dir {path})")
         args = ModelArgs.from_config(cfg)
-        files = sorted(pathlib.Path(path).glob("model*.safetensors"))
-        if not files:
-            raise UserError(f"{path}: no model*.safetensors files; convert the checkpoint again")
-        state = {}
-        for file in files:
-            try:
-                state.update(load_file(file, device=str(device)))
-            except Exception as e:  # safetensors' own error type: a truncated or corrupt file
-                raise UserError(f"{file}: cannot be read ({e}); "
-                                "convert the checkpoint again") from None
-        for name, tensor in state.items():
-            if tensor.dtype != torch.int8:
-                state[name] = tensor.to(dtype)
         with torch.device("meta"):
             model = cls(args)
         expected = {name: t.shape for name, t in model.checkpoint_tensors().items()}
-        found = {name: t.shape for name, t in state.items()}
-        names = expected.keys() | found.keys()
-        mismatched = sorted(n for n in names if expected.get(n) != found.get(n))
+        tensors = list_tensors(path, "model*.safetensors")  # name -> file
+        opened = {file: safe_open(file, "pt", device=str(device)) for file in set(tensors.values())}
+        shapes = {name: opened[file].get_slice(name).get_shape() for name, file in tensors.items()}
+        names = expected.keys() | shapes.keys()
+        mismatched = sorted(n for n in names if list(expected.get(n, [])) != shapes.get(n))
         if mismatched:
             raise UserError(f"{path}: weights do not match config.json ({len(mismatched)} tensors "
                             f"missing, unexpected or of another shape, first {mismatched[0]}); "
                             "convert the checkpoint again")
+        state = {}
+        for name, file in tensors.items():
+            tensor = opened[file].get_tensor(name)  # a truncated file fails list_tensors
+            if tensor.dtype != torch.int8:
+                tensor = tensor.to(dtype)
+            state[name] = tensor
+            show_progress(f"loading {path}", len(state), len(tensors))
         # The loaded tensors themselves, no copy; every one is checked above. A tied lm_head is not
         # among them: it is the embedding again.
         model.load_state_dict(state, strict=False, assign=True)

@@ -147,8 +147,8 @@ def load(path, slots=1, capacity=256, dtype=torch.float32, device="cpu"):
     return model
 
 
-def forward(model, tokens, start=0, row=0, use_kernels=False):
-    """Runs tokens (list) through cache row `row` from position `start`; logits (T, vocab).
+def forward(model, tokens, start=0, use_kernels=False):
+    """Runs tokens (list) through cache row 0 from position `start`; logits (T, vocab).
     use_kernels: one token through the fast path's forward_one_token instead (row 0)."""
     t = torch.tensor([tokens], device=model.norm.weight.device)
     pos = torch.arange(start, start + len(tokens), device=t.device)[None]
@@ -156,7 +156,7 @@ def forward(model, tokens, start=0, row=0, use_kernels=False):
     with torch.no_grad():
         if use_kernels:
             return fast.forward_one_token(model, t, pos, kv_positions)[0]
-        return model(t, pos, kv_positions, first_row=row)[0]
+        return model(t, pos, kv_positions)[0]
 
 
 def set_grouped_mm(model, grouped_mm):
@@ -461,7 +461,10 @@ def test_cache_rows_of_different_lengths_do_not_see_each_other(tiny):
     a, b = torch.randint(0, VOCAB, (7,)).tolist(), torch.randint(0, VOCAB, (19,)).tolist()
     alone = [forward(load(tiny), p) for p in (a, b)]
     both = load(tiny, slots=2)
-    got = [forward(both, a, row=0), forward(both, b, row=1)]
+    padded = torch.tensor([a + [0] * (len(b) - len(a)), b])  # a row each, in one forward
+    with torch.no_grad():
+        logits = both(padded, torch.arange(len(b)).expand(2, -1))
+    got = [logits[0, :len(a)], logits[1]]
     # then one batched decode step, each row at its own position
     nxt = torch.tensor([[5], [9]])
     pos = torch.tensor([[len(a)], [len(b)]])
@@ -681,7 +684,8 @@ def test_convert_bad_inputs_one_line_and_nothing_written(snapshot, tmp_path, cap
         if p.suffix == ".safetensors":
             p.unlink()
     (snapshot / "pytorch_model.bin").write_bytes(b"pickle")
-    assert "no *.safetensors weights found (safetensors only" in convert_error(argv, capsys)
+    assert "no *.safetensors files (weights are read from safetensors alone)" in convert_error(
+        argv, capsys)
     (snapshot / "config.json").write_text("{not json")
     assert "not a readable JSON file" in convert_error(argv, capsys)
 
@@ -772,8 +776,8 @@ def test_convert_into_the_current_directory_is_refused_in_one_line(snapshot, tmp
     empty = tmp_path / "empty"
     empty.mkdir()
     monkeypatch.chdir(empty)
-    assert f"--output {empty} exists" in convert_error(["--checkpoint-dir", str(snapshot),
-                                                        "--output", "."], capsys)
+    message = convert_error(["--checkpoint-dir", str(snapshot), "--output", "."], capsys)
+    assert f"{empty} exists: choose another --output" in message
     assert (sorted(p.name for p in tmp_path.iterdir()) == ["empty", "hf"]
             and not list(empty.iterdir()))
 
@@ -819,7 +823,7 @@ def test_convert_refuses_a_snapshot_without_a_tokenizer_or_quantized(snapshot, c
     assert "quantized Hugging Face checkpoints are not supported" in convert_error(argv, capsys)
     json.dump(cfg, open(snapshot / "config.json", "w"))
     (snapshot / "tokenizer.json").unlink()
-    assert "no tokenizer.json, which generate.py needs" in convert_error(argv, capsys)
+    assert "tokenizer.json: no readable tokenizer" in convert_error(argv, capsys)
     assert not (snapshot / "converted").exists()
 
 
@@ -1026,22 +1030,24 @@ def test_the_python_api_refuses_bad_arguments_naming_them(tiny):
 
 # ---------------------------------------------------------------- decode modes
 
+def longest_run(prompts, bucketed):
+    return 64 if bucketed else max(map(len, prompts))
+
+
 @pytest.mark.parametrize("bucketed", [False, True], ids=["to-the-longest", "to-the-bucket"])
 @pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe"])
 def test_padded_batch_prefill_equals_each_prompt_alone(checkpoint, bucketed, request):
     """One forward for prompts of different lengths, padded after each prompt's end (to the longest,
-    as eagerly, or to its bucket, 64, as compiled or graphed), their 55 tokens packed into 64 that
-    run: each row's logits at its last real token (fp32, 1e-5) and its cache at every real position
-    are those of the prompt alone."""
+    as eagerly, or to its bucket, 64, as compiled or graphed): each row's logits at its last real
+    token (fp32, 1e-5) and its cache at every real position are those of the prompt alone."""
     path = request.getfixturevalue(checkpoint)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7], [1, 8, 2, 8, 1], list(range(1, 41))]
     gen = generator(path, batch=4)
     gen.bucketed = bucketed
     gen.prefill(prompts)
-    # 64 tokens ran: the 55 of the prompts, then the first 9 of the padding in the grid's order (row
-    # 0's)
-    k = gen.model.layers[0].self_attn.kv_cache.k
-    assert k[0, :, 8 + 8].any() and not k[0, :, 8 + 9].any() and not k[1, :, 2].any()
+    k = gen.model.layers[0].self_attn.kv_cache.k  # the padding ran, to its bucket
+    assert k[1, :, 2:longest_run(prompts, bucketed)].any(-1).all()
+    assert not k[1, :, longest_run(prompts, bucketed):].any()
     batch_caches = [layer.self_attn.kv_cache for layer in gen.model.layers]
     for row, prompt in enumerate(prompts):
         alone = generator(path)
@@ -1062,42 +1068,6 @@ def test_padded_batch_prefill_equals_each_prompt_alone(checkpoint, bucketed, req
                        logits_at=ends[:, None] - 1)[:, 0]
     for row, prompt in enumerate(prompts):
         assert torch.allclose(logits[row], forward(load(path), prompt)[-1], atol=1e-5)
-
-
-@pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe"])
-def test_packed_tokens_equal_the_whole_grid(checkpoint, request):
-    """packed: the projections and MLPs run the prompts' tokens and two of the padding alone,
-    attention on the grid. The logits at each row's last token and at every packed token (fp32,
-    1e-5) and the cache at every real position equal those of the whole grid; a padding token that
-    didn't run left zeros."""
-    path = request.getfixturevalue(checkpoint)
-    torch.manual_seed(3)
-    lengths = [16, 5, 9]
-    tokens = torch.randint(0, VOCAB, (3, 16))
-    positions = torch.arange(16).expand(3, -1)
-    real = positions < torch.tensor(lengths)[:, None]
-    padding = (~real).flatten().nonzero()[:2, 0]  # row 1's positions 5 and 6
-    packed = torch.cat([real.flatten().nonzero()[:, 0], padding])
-    ends = torch.tensor(lengths)[:, None] - 1
-    with torch.no_grad():
-        grid, packed_model = load(path, slots=3), load(path, slots=3)
-        want = grid(tokens, positions, None)
-        got = packed_model(tokens, positions, None, logits_at=ends, packed=packed)
-        for row in range(3):
-            assert torch.allclose(got[row, 0], want[row, ends[row, 0]], atol=1e-5)
-        for layer, full in zip(packed_model.layers, grid.layers, strict=True):
-            for row, n in enumerate(lengths):
-                for name in ("k", "v"):
-                    cache = getattr(layer.self_attn.kv_cache, name)
-                    expected = getattr(full.self_attn.kv_cache, name)
-                    assert torch.allclose(cache[row, :, :n], expected[row, :, :n], atol=1e-5)
-        assert packed_model.layers[0].self_attn.kv_cache.k[1, :, 6].any()  # padding that ran
-        # and padding that didn't
-        assert not packed_model.layers[0].self_attn.kv_cache.k[1, :, 7].any()
-        # no logits_at: (1, N, vocab)
-        every = load(path, slots=3)(tokens, positions, None, packed=packed)
-        assert torch.allclose(every[0, :len(packed) - 2], want.flatten(0, 1)[packed[:-2]],
-                              atol=1e-5)
 
 
 @pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe"])
@@ -1326,7 +1296,7 @@ def test_cuda_graph_capture_changes_no_state(checkpoint, request):
             gen.prefill([[1, 2, 3, 4]])
             states.append(state(gen))
         for _ in range(3):  # warm-up and capture, then replays
-            gen.decode_step(8)
+            gen.step(gen.attended(8))
             states.append(state(gen))
     for eager, graphed in zip(states[:5], states[5:], strict=True):
         assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
@@ -1450,29 +1420,30 @@ def test_chat_template_renders_as_transformers_does(tiny, thinking):
         want = theirs.apply_chat_template(messages, chat_template=QWEN3_CHAT_TEMPLATE,
                                           tokenize=False, add_generation_prompt=True,
                                           enable_thinking=thinking)
-        assert ours.chat(user, system, thinking=thinking) == want
+        assert ours.chat(messages, thinking=thinking) == want
         assert want.endswith("<|im_start|>assistant\n"
                              + ("" if thinking else "<think>\n\n</think>\n\n"))
 
 
-def test_chat_template_from_the_checkpoint_first_chatml_where_it_has_none(tiny, tmp_path):
-    """chat_template.jinja wins over tokenizer_config.json; without either, ChatML renders what
-    Qwen3's template renders for one turn."""
-    qwen3 = G.Tokenizer(tiny)
+def user_says(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def test_chat_template_from_the_checkpoint_first_refused_where_it_has_none(tiny, tmp_path):
+    """chat_template.jinja wins over tokenizer_config.json; a checkpoint with neither can't chat."""
     own = tmp_path / "own"
     shutil.copytree(tiny, own)
     (own / "chat_template.jinja").write_text("{{ messages[-1].content | upper }}")
-    assert G.Tokenizer(str(own)).chat("hi") == "HI"
-    (own / "chat_template.jinja").unlink()
-    (own / "tokenizer_config.json").unlink()
-    chatml = G.Tokenizer(str(own))
-    assert chatml.chat_template == G.CHATML
-    for user, system in CONVERSATIONS:
-        for thinking in (True, False):
-            assert chatml.chat(user, system, thinking) == qwen3.chat(user, system, thinking)
+    assert G.Tokenizer(str(own)).chat(user_says("hi")) == "HI"
     (own / "chat_template.jinja").write_text("{{ messages[0].content | no_such_filter }}")
     with pytest.raises(UserError, match="the checkpoint's chat template fails: .*no_such_filter"):
-        G.Tokenizer(str(own)).chat("hi")
+        G.Tokenizer(str(own)).chat(user_says("hi"))
+    (own / "chat_template.jinja").unlink()
+    (own / "tokenizer_config.json").unlink()
+    with pytest.raises(UserError, match="the checkpoint has no chat template"):
+        G.Tokenizer(str(own)).chat(user_says("hi"))
+    one_line_error(cli("--device", "cpu", "--checkpoint", str(own), "--prompt", "hi", "--chat"),
+                   "the checkpoint has no chat template")
 
 
 def test_convert_copies_the_chat_template_file(tmp_path):
@@ -1480,7 +1451,7 @@ def test_convert_copies_the_chat_template_file(tmp_path):
     hf_checkpoint(str(src))
     (src / "chat_template.jinja").write_text("{{ messages[0].content }}!")
     convert.convert(str(src), str(tmp_path / "out"))
-    assert G.Tokenizer(str(tmp_path / "out")).chat("hey") == "hey!"
+    assert G.Tokenizer(str(tmp_path / "out")).chat(user_says("hey")) == "hey!"
 
 
 def test_cli_ctrl_c_prints_what_was_generated_and_exits_130(tiny):
@@ -1574,12 +1545,12 @@ def test_cli_bad_files_one_line(tiny, tmp_path):
         return next(p.glob("model-*.safetensors"))
     cases = {
         broken("truncated", lambda p: shard(p).write_bytes(shard(p).read_bytes()[:1000])):
-            "cannot be read",
+            "not a readable safetensors file",
         broken("config", lambda p: (p / "config.json").write_text("{oops")):
             "not a readable JSON file",
         broken("genconfig",
                lambda p: (p / "generation_config.json").write_text("[1,")): "not a readable JSON",
-        broken("noweights", lambda p: shard(p).unlink()): "no model*.safetensors files",
+        broken("noweights", lambda p: shard(p).unlink()): "no model*.safetensors files (weights",
         broken("tokenizer", lambda p: (p / "tokenizer.json").write_text("{")):
             "no readable tokenizer",
         broken("config-str", lambda p: (p / "config.json").write_text('"qwen3"')):
@@ -1642,16 +1613,15 @@ def test_eos_comes_from_config_json_too(tiny, tmp_path):
 
 def test_report_says_what_a_user_can_act_on():
     stats = G.GenerationStats(prefill_s=0.05, first_step_s=2.0, decode_s=0.5, decode_steps=50)
-    eager = G.report(stats, [[1] * 30], None)  # no compilation to speak of
-    assert eager == ("30 new tokens in 1 row. Time to first token 0.050 s; then 100.0 tok/s per "
-                     "row, 100.0 in all, over 50 steps.")
-    compiled = G.report(stats, [[1] * 30, [2] * 52], "it compiles the step")
-    assert compiled == ("82 new tokens in 2 rows. Time to first token 0.050 s; the first decode "
-                        "step 2.00 s (it compiles the step); then 100.0 tok/s per row, 200.0 in "
-                        "all, over 50 steps.")
+    assert G.report(stats, [[1] * 30, [2] * 52]) == (
+        "82 new tokens in 2 rows. Time to first token 0.050 s; the first decode step 2.00 s; then "
+        "100.0 tok/s per row, 200.0 in all, over 50 steps.")
     one = G.GenerationStats(prefill_s=0.05, first_step_s=0.0, decode_s=0.0, decode_steps=0)
-    assert (G.report(one, [[1]], "it captures the graphs")
-            == "1 new tokens in 1 row. Time to first token 0.050 s.")
+    assert G.report(one, [[1]]) == "1 new token in 1 row. Time to first token 0.050 s."
+    once = G.GenerationStats(prefill_s=0.05, first_step_s=0.1, decode_s=0.01, decode_steps=1)
+    assert G.report(once, [[1, 2, 3]]).endswith("in 1 row. Time to first token 0.050 s; the "
+                                                "first decode step 0.10 s; then 100.0 tok/s per "
+                                                "row, 100.0 in all, over 1 step.")
 
 
 def test_cli_float16(tiny, capsys):
@@ -1659,6 +1629,164 @@ def test_cli_float16(tiny, capsys):
             "--max-new-tokens", "6", "--temperature", "1", "--seed", "0"])
     out = capsys.readouterr()
     assert "6 new tokens" in out.err and len(out.out.strip()) > 0, out
+
+
+# ---------------------------------------------------------------- loading, the first text, faults
+
+def test_loading_and_an_eager_generation_never_import_dynamo(tiny):
+    """torch._dynamo takes seconds to import: only --compile needs it (nn.Embedding's random init on
+    the meta device used to pull it in at every load)."""
+    code = f"""
+        import sys
+        sys.path.insert(0, {HERE!r})
+        import generate
+        checkpoint = generate.load({tiny!r})
+        gen = generate.Generator(checkpoint.model, batch=1, capacity=64,
+                                 sampling=generate.SamplingParams(temperature=1.0, top_k=5))
+        gen.generate([[1, 2, 3]], max_new=8, stop_ids=set())
+        assert "torch._dynamo" not in sys.modules
+        generate.Generator(checkpoint.model, batch=1, capacity=64, sampling=checkpoint.sampling,
+                           compile=True)
+        assert "torch._dynamo" in sys.modules  # the check can fail"""
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+
+
+def test_the_first_check_comes_right_after_the_prefill(tiny):
+    """The first text as soon as the first token exists, then after the first decode step (timed
+    apart), then every check_every steps."""
+    gen = generator(tiny, batch=2)
+    seen = []
+    rows, stats = gen.generate([[1, 2, 3], [4, 5, 6, 7, 8]], max_new=20, stop_ids=set(),
+                               check_every=8, on_tokens=lambda rows: seen.append(len(rows[0])))
+    assert seen == [1, 2, 10, 18, 20] and list(map(len, rows)) == [20, 20]
+    assert stats.decode_steps == 18 and stats.prefill_s > 0 and stats.first_step_s > 0
+    seen.clear()
+    gen.generate([[1, 2, 3]], max_new=1, stop_ids=set(), on_tokens=lambda rows: seen.append(rows))
+    assert len(seen) == 1 and len(seen[0][0]) == 1
+
+
+def tty_stderr(command: list[str]) -> tuple[int, str]:
+    """Runs `command` with stderr on a pseudo-terminal; its exit status and what it wrote there."""
+    import pty
+    main, secondary = pty.openpty()
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=secondary)
+    os.close(secondary)
+    written = b""
+    while True:
+        try:
+            chunk = os.read(main, 4096)
+        except OSError:  # the terminal's other end closed
+            break
+        if not chunk:
+            break
+        written += chunk
+    os.close(main)
+    return process.wait(timeout=300), written.decode()
+
+
+def test_progress_lines_on_a_terminal_alone(snapshot, tmp_path):
+    """Loading and converting draw a progress line on stderr where it is a terminal; a log gets
+    none."""
+    out = tmp_path / "out"
+    script = os.path.join(HERE, "convert_hf_checkpoint.py")
+    status, written = tty_stderr([sys.executable, script, "--checkpoint-dir", str(snapshot),
+                                  "--output", str(out)])
+    assert status == 0 and f"\rconverting {snapshot}: 100%" in written, written
+    status, written = tty_stderr([sys.executable, os.path.join(HERE, "generate.py"), "--device",
+                                  "cpu", "--checkpoint", str(out), "--prompt", "hi",
+                                  "--max-new-tokens", "2"])
+    assert status == 0 and f"\rloading {out}: 100%\r\n" in written, written
+    assert " ..." not in written  # no "loading ..." line besides
+    r = cli("--device", "cpu", "--checkpoint", str(out), "--prompt", "hi", "--max-new-tokens", "2")
+    assert r.returncode == 0 and "%" not in r.stderr and r.stderr.startswith("loading")
+
+
+def test_convert_removes_what_a_killed_conversion_left_and_nothing_else(snapshot, tmp_path):
+    """SIGKILL or the OOM killer leave the hidden output with its partial shards: the next
+    conversion to the same output removes it once its process is gone, and says so. A live
+    process's, one holding a file we don't write, or one of another name stays."""
+    out = tmp_path / "out"
+    gone, also_gone = [subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                                      capture_output=True, text=True).stdout.strip()
+                       for _ in range(2)]
+    killed = tmp_path / f".converting-out-{gone}"
+    live = tmp_path / f".converting-out-{os.getpid()}"
+    foreign = tmp_path / f".converting-out-{also_gone}"
+    other = tmp_path / f".converting-elsewhere-{gone}"
+    for directory in (killed, live, foreign, other):
+        directory.mkdir()
+        (directory / "model-00003.safetensors").write_bytes(b"partial")
+    (foreign / "notes.txt").write_text("mine")
+    script = os.path.join(HERE, "convert_hf_checkpoint.py")
+    r = subprocess.run([sys.executable, script, "--checkpoint-dir", str(snapshot), "--output",
+                        str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.strip() == f"removed {killed}, left by a conversion that was killed"
+    assert not killed.exists() and live.exists() and foreign.exists() and other.exists()
+    assert load(str(out)).args.num_hidden_layers == 2
+
+
+def test_convert_checks_what_it_copies_and_every_weight(snapshot, tmp_path, capsys):
+    """A broken tokenizer.json or generation_config.json is refused when converting, not later; a
+    tensor in two files and a weight that is not finite are refused, naming the tensor."""
+    out = tmp_path / "out"
+    argv = ["--checkpoint-dir", str(snapshot), "--output", str(out)]
+    tokenizer = (snapshot / "tokenizer.json").read_text()
+    (snapshot / "tokenizer.json").write_text("{}")
+    assert "tokenizer.json: no readable tokenizer" in convert_error(argv, capsys)
+    (snapshot / "tokenizer.json").write_text(tokenizer)
+    generation = (snapshot / "generation_config.json").read_text()
+    for bad, message in [({"do_sample": "yes"}, "do_sample 'yes'"),
+                         ({"eos_token_id": "</s>"}, "eos_token_id '</s>'"),
+                         ({"temperature": -1}, "temperature -1")]:
+        edit_json(snapshot / "generation_config.json", **bad)
+        assert f"generation_config.json: {message}" in convert_error(argv, capsys)
+        (snapshot / "generation_config.json").write_text(generation)
+    shards = sorted(snapshot.glob("*.safetensors"))
+    first = load_file(shards[0])
+    name = sorted(first)[0]
+    save_file({name: first[name]}, snapshot / "z.safetensors")
+    assert f"tensor {name} is in {shards[0]} too" in convert_error(argv, capsys)
+    (snapshot / "z.safetensors").unlink()
+    first[name][0, 0] = float("nan")
+    save_file(first, shards[0], metadata={"format": "pt"})
+    assert f"{shards[0]}: {name} holds values that are not finite" in convert_error(argv, capsys)
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_convert_writes_shards_readable_as_the_snapshots_files(snapshot, tmp_path):
+    """0666 less the umask, as any new file (safetensors makes its files private)."""
+    out = tmp_path / "out"
+    convert.convert(str(snapshot), str(out), shard_bytes=1 << 16)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert len(modes) > 4 and set(modes.values()) == {0o666 & ~current_umask()}, modes
+
+
+def test_loading_refuses_a_tensor_in_two_files(tiny, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny, copy)
+    shard = sorted(copy.glob("model*.safetensors"))[0]
+    tensors = load_file(shard)
+    name = sorted(tensors)[0]
+    save_file({name: tensors[name]}, copy / "model-99999.safetensors")
+    with pytest.raises(UserError, match=f"tensor {name} is in {shard} too"):
+        G.load(str(copy))
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_full_stdout_is_one_line(tiny, snapshot, tmp_path):
+    """generate.py and the converter writing to a full disk (/dev/full): one line, exit 1."""
+    with open("/dev/full", "w") as full:
+        command = [sys.executable, os.path.join(HERE, "generate.py"), "--device", "cpu",
+                   "--checkpoint", tiny, "--prompt", "hi", "--max-new-tokens", "4"]
+        r = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+        one_line_error(r, "[Errno 28] No space left on device")
+        command = [sys.executable, os.path.join(HERE, "convert_hf_checkpoint.py"),
+                   "--checkpoint-dir", str(snapshot), "--output", str(tmp_path / "out")]
+        r = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+        one_line_error(r, "[Errno 28] No space left on device")
 
 
 # ---------------------------------------------------------------- Triton kernels

@@ -14,6 +14,9 @@ built on the GPU.
                                                                    # and one by one
     python bench/bench.py first-text --modes graph,compile  # from the model on the GPU to the
                                                             # first text
+    python bench/bench.py first-text --modes graph --checkpoint DIR  # from a process's start
+    python bench/bench.py load --checkpoint DIR     # generate.load against a plain safetensors load
+    python bench/bench.py write-checkpoint --size 30B-A3B --checkpoint DIR --tokenizer-from DIR
     python bench/bench.py bandwidth                      # the decode ceiling's denominator
 
 Decode tok/s comes from two generation lengths in one process, (n2 - n1) / (t2 - t1), which cancels
@@ -23,10 +26,12 @@ greedy (do_sample=False), measured the same way in the same process. Every resul
 on stdout.
 """
 import argparse
+import dataclasses
 import gc
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -34,7 +39,8 @@ import time
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 import generate as G  # noqa: E402
 from model import Linear, ModelArgs, MoE, Transformer  # noqa: E402
 
@@ -281,11 +287,15 @@ def ttft(a: argparse.Namespace) -> list:
     return []
 
 
+FLAGS = {"eager": [], "compile": ["--compile"], "graph": ["--cuda-graph"]}  # generate.py's
+
+
 def first_text(a: argparse.Namespace) -> list:
-    """Seconds from the model being on the GPU to its first streamed text (prefill and the first
-    decode step: compilation and graph capture happen there), for each of --modes: cold, with empty
-    inductor and Triton caches, then warm, with the caches the cold run filled. Each run is a
-    process of its own."""
+    """Seconds to the first streamed text, for each of --modes, cold (empty inductor, Triton and
+    bytecode caches, the page cache dropped where we may) then warm (the caches the cold run
+    filled): from the model on the GPU (a process building a random model), and with --checkpoint
+    as the user sees it, from the start of a process running generate.py to its first byte on
+    stdout. Each run is a process of its own."""
     if a.inner:
         model = random_model(a.size, a.int8)
         torch.cuda.synchronize()
@@ -298,13 +308,21 @@ def first_text(a: argparse.Namespace) -> list:
                 first.append(time.perf_counter() - start)
         gen.generate([torch.randint(0, VOCAB, (a.prompt,)).tolist()], max_new=64, stop_ids=set(),
                      on_tokens=on_tokens)
-        return [{"size": a.size, "mode": a.modes, "first_text_s": round(first[0], 2)}]
+        return [{"size": a.size, "mode": a.modes, "from": "model on the GPU",
+                 "first_text_s": round(first[0], 2)}]
     rows = []
     for mode in a.modes.split(","):
         caches = tempfile.mkdtemp()
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": f"{caches}/inductor",
-               "TRITON_CACHE_DIR": f"{caches}/triton"}
+               "TRITON_CACHE_DIR": f"{caches}/triton", "PYTHONPYCACHEPREFIX": f"{caches}/pyc"}
         for run in ("cold", "warm"):
+            dropped = run == "cold" and drop_page_cache()
+            if a.checkpoint:
+                command = [sys.executable, str(ROOT / "generate.py"), "--checkpoint", a.checkpoint,
+                           "--prompt", "Hello, my name is", "--max-new-tokens", "64", *FLAGS[mode]]
+                rows.append({"mode": mode, "run": run, "page_cache_dropped": dropped,
+                             **first_byte(command, env)})
+                continue
             command = [sys.executable, __file__, "first-text", "--inner", "--size", a.size,
                        "--modes", mode]
             out = subprocess.run(command, env=env, capture_output=True, text=True,
@@ -313,9 +331,84 @@ def first_text(a: argparse.Namespace) -> list:
     return rows
 
 
+def drop_page_cache() -> bool:
+    """Empties the kernel's page cache (root alone may): the next load reads the disk."""
+    try:
+        os.sync()
+        pathlib.Path("/proc/sys/vm/drop_caches").write_text("3")
+        return True
+    except OSError:
+        return False
+
+
+def first_byte(command: list, env: dict) -> dict:
+    """Seconds from starting `command` to its first byte on stdout, and to its end."""
+    start = time.perf_counter()
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.read(1)
+    first = time.perf_counter() - start
+    _, err = process.communicate()
+    if process.returncode:
+        raise SystemExit(err.decode())
+    return {"from": "process start", "first_text_s": round(first, 2),
+            "total_s": round(time.perf_counter() - start, 2),
+            "report": err.decode().strip().splitlines()[-1]}
+
+
+def load(a: argparse.Namespace) -> list:
+    """generate.load of --checkpoint against a plain safetensors load of its files to the GPU
+    (every tensor, no model), each in a process of its own, page cache warm (a first untimed read),
+    with each process's peak host memory."""
+    if a.inner:
+        start = time.perf_counter()
+        if a.modes == "plain":
+            from safetensors import safe_open
+            tensors = []
+            for file in sorted(pathlib.Path(a.checkpoint).glob("model*.safetensors")):
+                with safe_open(file, "pt", device="cuda") as opened:
+                    tensors += [opened.get_tensor(name) for name in opened.keys()]
+        else:
+            G.load(a.checkpoint, "cuda")
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        import resource
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KB -> GB
+        return [{"load": a.modes, "seconds": round(seconds, 2), "peak_host_GB": round(peak, 2),
+                 "checkpoint": a.checkpoint}]
+    rows = []
+    for what in ("plain", "generate.load", "plain", "generate.load"):
+        command = [sys.executable, __file__, "load", "--inner", "--modes", what,
+                   "--checkpoint", a.checkpoint]
+        out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+        rows.append(json.loads(out.strip().splitlines()[-1]))
+    return rows
+
+
+def write_checkpoint(a: argparse.Namespace) -> list:
+    """A converted checkpoint of --size with random weights at --checkpoint, written from the GPU
+    (no Hugging Face snapshot to convert: 30B-A3B's would need the disk twice), with the tokenizer
+    files of --tokenizer-from."""
+    from safetensors.torch import save_file
+    model = random_model(a.size, a.int8)
+    out = pathlib.Path(a.checkpoint)
+    out.mkdir(parents=True)
+    shard = {}
+    tensors = list(model.checkpoint_tensors().items())
+    for i, (name, tensor) in enumerate(tensors):
+        shard[name] = tensor.contiguous()
+        if sum(t.nbytes for t in shard.values()) >= 2 << 30 or i == len(tensors) - 1:
+            save_file(shard, out / f"model-{i:05d}.safetensors")
+            shard = {}
+    (out / "config.json").write_text(json.dumps(dataclasses.asdict(model.args)))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(pathlib.Path(a.tokenizer_from, name), out)
+    return [{"wrote": str(out), "GB": round(weight_bytes(model) / 1e9, 1)}]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=["decode", "ttft", "first-text", "bandwidth"])
+    ap.add_argument("what", choices=["decode", "ttft", "first-text", "load", "write-checkpoint",
+                                     "bandwidth"])
     ap.add_argument("--size", default="0.6B", choices=list(PRESETS))
     ap.add_argument("--modes", default="compile", help=f"comma-separated: {', '.join(MODES)}")
     ap.add_argument("--batch", type=int, default=1)
@@ -334,7 +427,10 @@ def main():
                     help="PyTorch's ops instead of qwen3_triton.py")
     ap.add_argument("--profile", action="store_true", help="graphed modes: the kernels of a step")
     ap.add_argument("--peer", action="store_true", help="transformers, in the same process")
-    # first-text's own processes
+    ap.add_argument("--checkpoint", help="first-text, load: a converted checkpoint; "
+                    "write-checkpoint: where to write one")
+    ap.add_argument("--tokenizer-from", help="write-checkpoint: a checkpoint's tokenizer files")
+    # first-text's and load's own processes
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.what == "bandwidth":
@@ -343,6 +439,10 @@ def main():
         rows = ttft(a)
     elif a.what == "first-text":
         rows = first_text(a)
+    elif a.what == "load":
+        rows = load(a)
+    elif a.what == "write-checkpoint":
+        rows = write_checkpoint(a)
     else:
         rows = []
         for mode in a.modes.split(","):
