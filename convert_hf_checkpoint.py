@@ -88,7 +88,8 @@ def joined(src: pathlib.Path, name: str, parts: list[str], files: dict, meta) ->
     if missing:
         raise UserError(f"{src}: the checkpoint lacks {missing[0]}")
     tensors = [read_tensor(files[hf], hf) for hf in parts]
-    if meta.dim() == 3:  # stacked experts: every part has one shape, so name the one that differs
+    # Stacked experts: every part has one shape, so name the one that differs
+    if meta.dim() == 3:
         rows = meta.numel() // meta.shape[-1] // len(parts)
         part_shape = (rows, meta.shape[-1])
         wrong = [hf for hf, t in zip(parts, tensors, strict=True) if t.shape != part_shape]
@@ -127,9 +128,11 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
         raise UserError(f"{files[first]}: tensor {first} has no place in a Qwen3 model")
     remove_leftovers(out)
     tmp = out.with_name(f".converting-{out.name}-{os.getpid()}")  # beside it, hidden
-    umask = os.umask(0)  # read by setting it: the shards get 0666 less it, as the snapshot's files
+    # Read by setting it: the shards get 0666 less it, as the snapshot's files
+    umask = os.umask(0)
     os.umask(umask)
-    made = [p for p in out.parents if not p.exists()]  # the directories we create, deepest first
+    # The directories we create, deepest first
+    made = [p for p in out.parents if not p.exists()]
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
@@ -156,7 +159,8 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
     except BaseException:  # an error, Ctrl-C, SIGTERM or SIGHUP
         shutil.rmtree(tmp, ignore_errors=True)
         for directory in made:
-            with contextlib.suppress(OSError):  # something else was put there meanwhile: it stays
+            # Something else was put there meanwhile: it stays
+            with contextlib.suppress(OSError):
                 directory.rmdir()
         raise
 

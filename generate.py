@@ -21,7 +21,8 @@ try:
     import torch
 
     from model import Transformer, UserError, read_json
-    try:  # the optional Triton fast path: without it, or Triton, PyTorch's ops run everywhere
+    # The optional Triton fast path: without it, or Triton, PyTorch's ops run everywhere
+    try:
         import qwen3_triton
     except ImportError:
         qwen3_triton = None
@@ -93,7 +94,8 @@ def sample(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if filtered:  # the candidates, largest first: no sort unless a filter needs one
         scores, candidates = top_candidates(scores, min(params.top_k or vocab, vocab))
     scores = scores * (1.0 / params.temperature)  # as the fast path's kernel scales them
-    if params.top_p < 1:  # the smallest head whose mass reaches top_p (the first always stays)
+    # The smallest head whose mass reaches top_p (the first always stays)
+    if params.top_p < 1:
         probs = scores.softmax(-1)
         ahead = probs.cumsum(-1) - probs  # the mass of the candidates before each
         scores = scores.masked_fill(ahead >= params.top_p, float("-inf"))
@@ -108,10 +110,12 @@ def top_candidates(scores: torch.Tensor, count: int) -> tuple[torch.Tensor, torc
     """The `count` largest of fp32 scores (R, V) and their ids, largest first and ties in id order
     (topk alone orders ties as it likes): a topk over int64 keys that order by score, then by id."""
     bits = scores.view(torch.int32).long()
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # as the floats: negatives flipped
+    # As the floats: negatives flipped
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     vocab = scores.shape[-1]
     ids = torch.arange(vocab, device=scores.device)
-    keys = ordered * vocab + (vocab - 1 - ids)  # unique: the lower id first among equal scores
+    # Unique: the lower id first among equal scores
+    keys = ordered * vocab + (vocab - 1 - ids)
     top = keys.topk(count).indices
     return scores.gather(-1, top), top
 
@@ -149,7 +153,8 @@ def prefill_prompts(model: Transformer, draw, state: DecodeState, positions: tor
     cached tokens attend to. Device-side only, as decode_one_token."""
     count = positions.shape[0]
     tokens = state.sequences[:count].gather(1, positions)  # (R, T)
-    last = state.positions[:count] - positions[:, :1] - 1  # (R, 1): the last prompt token's index
+    # (R, 1): the last prompt token's index
+    last = state.positions[:count] - positions[:, :1] - 1
     logits = model(tokens, positions, kv_positions, logits_at=last)
     state.tokens[:count, 0] = draw(logits[:, -1])
     state.sequences.scatter_(1, state.positions, state.tokens)
@@ -249,7 +254,8 @@ class Generator:
         self.batch = batch
         self.capacity = capacity
         self.state = DecodeState(batch, capacity, device)
-        self.bucketed = compile or cuda_graph  # prompts padded to a few lengths, a graph each
+        # Prompts padded to a few lengths, a graph each
+        self.bucketed = compile or cuda_graph
         self.compiled = compile
         if compile:
             # torch._dynamo is imported here alone: it takes seconds
@@ -324,7 +330,8 @@ class Generator:
         if longest + max_new > self.capacity:
             raise UserError(f"prompt ({longest} tokens) + max new tokens ({max_new}) is over the "
                             f"cache length ({self.capacity})")
-        shortest = start + min(map(len, prompts))  # the checks read the sequences from there on
+        # The checks read the sequences from there on
+        shortest = start + min(map(len, prompts))
         state = self.state
         times = [time.perf_counter()]  # the start, then the end of each check
         self.prefill(prompts, start)
@@ -332,10 +339,9 @@ class Generator:
         while True:
             # One sync a check: every row's tokens from the shortest prompt's end on
             tails = state.sequences[:len(prompts), shortest:longest + produced].tolist()
-            rows = []
-            for tail, prompt in zip(tails, prompts, strict=True):
-                first = start + len(prompt) - shortest
-                rows.append(tail[first:first + produced])
+            # Where each row's new tokens start in its tail
+            firsts = [start + len(prompt) - shortest for prompt in prompts]
+            rows = [tail[first:first + produced] for tail, first in zip(tails, firsts, strict=True)]
             ends = [stop_index(row, stop_ids) for row in rows]
             done = [row[:end] for row, end in zip(rows, ends, strict=True)]
             if on_tokens:
@@ -387,7 +393,8 @@ class Tokenizer:
         config = read_json(config_file) if config_file.is_file() else {}
         self.chat_template = config.get("chat_template")
         template_file = pathlib.Path(path, "chat_template.jinja")
-        if template_file.is_file():  # where newer snapshots keep it; transformers prefers it too
+        # Where newer snapshots keep it; transformers prefers it too
+        if template_file.is_file():
             self.chat_template = template_file.read_text(encoding="utf-8")
 
     def encode(self, text: str) -> list[int]:
@@ -414,7 +421,8 @@ class Tokenizer:
             template = env.from_string(self.chat_template)
             return template.render(messages=messages, add_generation_prompt=True,
                                    enable_thinking=thinking)
-        except (jinja2.TemplateError, TypeError) as e:  # TypeError: a template that isn't a string
+        # TypeError: a template that isn't a string
+        except (jinja2.TemplateError, TypeError) as e:
             raise UserError(f"the checkpoint's chat template fails: {e}") from None
 
 
@@ -424,7 +432,8 @@ class Checkpoint:
     model: Transformer
     tokenizer: Tokenizer
     sampling: SamplingParams  # generation_config.json's defaults, else greedy
-    stop_ids: set[int]  # the end-of-sequence tokens of config.json and generation_config.json
+    # The end-of-sequence tokens of config.json and generation_config.json
+    stop_ids: set[int]
 
 
 def eos_ids(generation_config: dict) -> set[int]:

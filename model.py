@@ -48,8 +48,7 @@ def list_tensors(directory, pattern: str) -> dict[str, str]:
     anyone's guess."""
     files = sorted(pathlib.Path(directory).glob(pattern))
     if not files:
-        raise UserError(f"{directory}: no {pattern} files (weights are read from safetensors "
-                        "alone); download or convert it again")
+        raise UserError(f"{directory}: no {pattern} files; download or convert it again")
     tensors = {}
     for file in files:
         try:
@@ -111,15 +110,19 @@ class ModelArgs:
     rope_theta: float = 1e6
     max_position_embeddings: int = 40960
     tie_word_embeddings: bool = False
-    quantization: str | None = None  # "int8": weight-only, a scale per output row (our converter's)
+    # "int8": weight-only, a scale per output row (our converter's)
+    quantization: str | None = None
     num_experts: int = 0  # MoE: experts per sparse layer; 0 for a dense model
     num_experts_per_tok: int = 8
     moe_intermediate_size: int = 768
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
-    mlp_only_layers: list[int] = field(default_factory=list)  # the dense layers of a MoE model
-    eos_token_id: list[int] = field(default_factory=list)  # the model's end-of-sequence tokens
-    yarn: dict = field(default_factory=dict)  # YaRN's parameters (factor, ...); empty: default RoPE
+    # The dense layers of a MoE model
+    mlp_only_layers: list[int] = field(default_factory=list)
+    # The model's end-of-sequence tokens
+    eos_token_id: list[int] = field(default_factory=list)
+    # YaRN's parameters (factor, ...); empty: default RoPE
+    yarn: dict = field(default_factory=dict)
 
     @classmethod
     def from_config(cls, cfg: dict) -> "ModelArgs":
@@ -130,16 +133,15 @@ class ModelArgs:
             raise UserError(f"{architecture} (model_type {model_type}) is not supported: "
                             "only Qwen3 is (Qwen3ForCausalLM or Qwen3MoeForCausalLM)")
         if cfg.get("use_sliding_window"):
-            raise UserError("sliding-window attention is not supported: "
-                            "set use_sliding_window to false")
+            raise UserError("config.json: sliding-window attention is not supported")
         rope = rope_parameters(cfg)
         cfg = dict(cfg, rope_theta=rope.get("rope_theta", cfg.get("rope_theta")))
-        if rope["rope_type"] == "yarn":  # the hub's rope_scaling; our converter writes "yarn"
+        # The hub's rope_scaling; our converter writes "yarn"
+        if rope["rope_type"] == "yarn":
             named = ("rope_type", "type", "rope_theta")
             cfg["yarn"] = {key: value for key, value in rope.items() if key not in named}
             if not all(type(v) in (int, float, bool) for v in cfg["yarn"].values()):
-                raise UserError(f"config.json: the YaRN parameters {cfg['yarn']} "
-                                "are not all numbers")
+                raise UserError(f"config.json: YaRN parameters {cfg['yarn']} are not all numbers")
         if type(cfg.get("eos_token_id")) is int:  # the hub writes one id, or a list
             cfg["eos_token_id"] = [cfg["eos_token_id"]]
         if "num_local_experts" in cfg:  # transformers' name for the hub's num_experts
@@ -150,8 +152,7 @@ class ModelArgs:
             if value is None:
                 continue
             if not is_valid(value, spec.type):
-                raise UserError(f"config.json: {spec.name} is {value!r}, "
-                                "which is not a valid value for it")
+                raise UserError(f"config.json: {spec.name} is {value!r}, not a valid value")
             given[spec.name] = value
         missing = [name for name in REQUIRED if name not in given]
         if missing:
@@ -160,8 +161,7 @@ class ModelArgs:
             if given.get(name, 1) <= 0:
                 raise UserError(f"config.json: {name} is {given[name]!r}; it must be above 0")
         if given.get("quantization") not in (None, "int8"):
-            raise UserError(f"config.json: quantization {given['quantization']!r} is not "
-                            "supported: only int8 (our converter's)")
+            raise UserError(f"config.json: quantization {given['quantization']!r} is not supported")
         args = cls(**given)
         if cfg.get("head_dim") is None:
             args.head_dim = args.hidden_size // args.num_attention_heads
@@ -196,7 +196,8 @@ def rope_frequencies(args: ModelArgs) -> tuple[Tensor, float]:
         scale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
     context = yarn.get("original_max_position_embeddings", args.max_position_embeddings)
 
-    def dimension(turns: float) -> float:  # the dimension that turns `turns` times over the context
+    # The dimension that turns `turns` times over the context
+    def dimension(turns: float) -> float:
         return dim * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(args.rope_theta))
     low = dimension(yarn.get("beta_fast") or 32)
     high = dimension(yarn.get("beta_slow") or 1)
@@ -301,7 +302,8 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
         qkv = self.qkv_proj(x)  # (R, T, (heads + 2 kv_heads) x head_dim)
-        heads = qkv.unflatten(-1, (-1, self.head_dim))  # (R, T, heads + 2 kv_heads, head_dim)
+        # (R, T, heads + 2 kv_heads, head_dim)
+        heads = qkv.unflatten(-1, (-1, self.head_dim))
         q, k, v = heads.split([self.n_heads, self.n_kv, self.n_kv], dim=2)
         q = apply_rope(self.q_norm(q), ctx.cos, ctx.sin)
         k = apply_rope(self.k_norm(k), ctx.cos, ctx.sin)
@@ -355,7 +357,8 @@ class MoE(nn.Module):
         gate_up = expert_products(inputs, dequantized(self.gate_up_proj, x.dtype), expert_ids,
                                   self.grouped_mm)
         gate, up = gate_up.chunk(2, dim=-1)
-        pair_weights = weights.flatten()[order, None].to(x.dtype)  # rounded as transformers does
+        # Rounded as transformers does
+        pair_weights = weights.flatten()[order, None].to(x.dtype)
         hidden = F.silu(gate) * up * pair_weights
         y = expert_products(hidden, dequantized(self.down_proj, x.dtype), expert_ids,
                             self.grouped_mm)
@@ -426,8 +429,7 @@ class Transformer(nn.Module):
         args = self.args
         if capacity > args.max_position_embeddings:
             raise UserError(f"a cache of {capacity} positions is over the model's "
-                            f"{args.max_position_embeddings}: ask for a shorter cache, a "
-                            "shorter prompt or fewer new tokens")
+                            f"{args.max_position_embeddings}: ask for fewer tokens")
         device = self.norm.weight.device
         dtype = self.norm.weight.dtype
         # One spare position, never attended: every attended prefix is then a strict slice of the
@@ -440,8 +442,10 @@ class Transformer(nn.Module):
         # tables in the model's dtype, as transformers casts them before rotating.
         inv_freq, scale = rope_frequencies(args)
         steps = torch.arange(capacity, dtype=torch.float)  # the positions, as floats
-        angles = steps[:, None] * inv_freq.repeat(2)  # (capacity, head_dim): both halves alike
-        signs = torch.tensor([-1.0, 1.0]).repeat_interleave(args.head_dim // 2)  # rotate_half's
+        # (capacity, head_dim): both halves alike
+        angles = steps[:, None] * inv_freq.repeat(2)
+        # Rotate_half's
+        signs = torch.tensor([-1.0, 1.0]).repeat_interleave(args.head_dim // 2)
         cos = angles.cos() * scale
         sin = angles.sin() * scale * signs
         self.register_buffer("rope_cos", cos.to(device, dtype), persistent=False)
@@ -503,9 +507,8 @@ class Transformer(nn.Module):
         at a time from its file, no second copy in host or device memory."""
         config = pathlib.Path(path, "config.json")
         if not config.is_file():
-            raise UserError(f"no converted checkpoint at {path}: download a Hugging Face "
-                            "snapshot, convert it with convert_hf_checkpoint.py, and pass its "
-                            "output directory to --checkpoint")
+            raise UserError(f"no converted checkpoint at {path}: convert a Hugging Face snapshot "
+                            "with convert_hf_checkpoint.py")
         cfg = read_json(config)
         if "quantization" not in cfg:  # every config.json our converter writes has it
             raise UserError(f"{path} is a Hugging Face snapshot: convert it first "
@@ -514,22 +517,23 @@ class Transformer(nn.Module):
         with torch.device("meta"):
             model = cls(args)
         expected = {name: t.shape for name, t in model.checkpoint_tensors().items()}
-        tensors = list_tensors(path, "model*.safetensors")  # name -> file
-        opened = {file: safe_open(file, "pt", device=str(device)) for file in set(tensors.values())}
-        shapes = {name: opened[file].get_slice(name).get_shape() for name, file in tensors.items()}
-        names = expected.keys() | shapes.keys()
-        mismatched = sorted(n for n in names if list(expected.get(n, [])) != shapes.get(n))
-        if mismatched:
-            raise UserError(f"{path}: weights do not match config.json ({len(mismatched)} tensors "
-                            f"missing, unexpected or of another shape, first {mismatched[0]}); "
-                            "convert the checkpoint again")
+        files = list_tensors(path, "model*.safetensors").values()  # every tensor's file
         state = {}
-        for name, file in tensors.items():
-            tensor = opened[file].get_tensor(name)  # a truncated file fails list_tensors
-            if tensor.dtype != torch.int8:
-                tensor = tensor.to(dtype)
-            state[name] = tensor
-            show_progress(f"loading {path}", len(state), len(tensors))
+        for file in sorted(set(files)):
+            # A file at a time: its pages are mapped until its last tensor is read
+            with safe_open(file, "pt", device=str(device)) as opened:
+                for name in opened.keys():
+                    tensor = opened.get_tensor(name)
+                    if tensor.dtype != torch.int8:
+                        tensor = tensor.to(dtype)
+                    state[name] = tensor
+                    show_progress(f"loading {path}", len(state), len(files))
+        found = {name: t.shape for name, t in state.items()}
+        mismatched = sorted(n for n in expected.keys() | found.keys()
+                            if expected.get(n) != found.get(n))
+        if mismatched:
+            raise UserError(f"{path}: weights do not match config.json (first {mismatched[0]}); "
+                            "convert the checkpoint again")
         # The loaded tensors themselves, no copy; every one is checked above. A tied lm_head is not
         # among them: it is the embedding again.
         model.load_state_dict(state, strict=False, assign=True)

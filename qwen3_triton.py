@@ -23,7 +23,6 @@ def forward_one_token(model: Transformer, tokens: Tensor, positions: Tensor,
     1, vocab). Layer by layer: the qkv product with the norm before it, attention, o_proj with the
     residual, gate-up with the norm, down with the gate and the residual (MoE: the router, then the
     picked experts' gate-up and down)."""
-    kv_len = kv_positions.shape[0]
     x = model.embed_tokens(tokens)  # (1, 1, hidden)
     for layer in model.layers:
         attn = layer.self_attn
@@ -31,18 +30,18 @@ def forward_one_token(model: Transformer, tokens: Tensor, positions: Tensor,
         cache = attn.kv_cache
         y = decode_attention(qkv, cache.k, cache.v, positions[:, 0], model.rope_cos, model.rope_sin,
                              attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, attn.n_heads,
-                             kv_len)
+                             kv_positions.shape[0])
         x = product(attn.o_proj, y.view(1, 1, -1), residual=x)
         norm = layer.post_attention_layernorm
         mlp = layer.mlp
+        routing = {}  # a dense MLP's
+        # The router's logits (experts,) pick the experts in the kernels
         if isinstance(mlp, MoE):
-            router = product(mlp.gate, x, norm=norm).view(-1)  # (experts,) logits
+            router = product(mlp.gate, x, norm=norm).view(-1)
             routing = dict(router=router, top_k=mlp.top_k, norm_topk_prob=mlp.norm_topk_prob)
-            gate_up = product(mlp.gate_up_proj, x, norm=norm, **routing)  # (top_k, 1, 2 x inner)
-            x = product(mlp.down_proj, gate_up, gated=True, residual=x, routed=True, **routing)
-        else:
-            gate_up = product(mlp.gate_up_proj, x, norm=norm)
-            x = product(mlp.down_proj, gate_up, gated=True, residual=x)
+        # (1, 1, 2 x inner); MoE: (top_k, 1, 2 x inner), an output per pick
+        gate_up = product(mlp.gate_up_proj, x, norm=norm, **routing)
+        x = product(mlp.down_proj, gate_up, gated=True, residual=x, routed=bool(routing), **routing)
     return product(model.lm_head, x, norm=model.norm)
 
 
@@ -96,7 +95,8 @@ def _gemv(x, weight, scale, norm, res, out, router, N, K, x_row, eps: tl.constex
     expert = 0
     if EXPERTS:
         ids, weights = _route(router, EXPERTS, TOP_K, NORM_TOPK, EB, KB)
-    for t in tl.static_range(TERMS):  # TOP_K picks when ROUTED, else 1; unrolled: loads overlap
+    # TOP_K picks when ROUTED, else 1; unrolled: loads overlap
+    for t in tl.static_range(TERMS):
         if EXPERTS:
             pick = tl.arange(0, KB) == j + t
             expert = tl.sum(tl.where(pick, ids, 0), axis=0)
@@ -155,19 +155,26 @@ GEMV_CONFIGS = {  # BN: weight rows per program, BK: weight words per block
 
 
 def input_kind(norm, gated: bool, router, routed: bool) -> str:
-    """What gemv does to its input, which picks its launch configuration."""
-    if router is not None:
-        return "routed" if routed else "picked"
-    if gated:
-        return "gated"
-    if norm is not None:
-        return "norm"
-    return "plain"
+    """What gemv does to its input, which picks its launch configuration: the first that applies."""
+    kinds = {"routed": routed, "picked": router is not None, "gated": gated,
+             "norm": norm is not None}
+    return next((kind for kind, applies in kinds.items() if applies), "plain")
 
 
-# Custom ops: torch.compile calls them as they are, instead of analysing the kernels at each of
-# their call sites (five a layer), which would be most of its compile time.
-@torch.library.custom_op("qwen3_fast::gemv", mutates_args=())
+def custom_op(mutates_args=()):
+    """Registers a function as the custom op qwen3_fast::<its name> and returns the op:
+    torch.compile calls it as it is, instead of analysing its kernels at each of their call sites
+    (five a layer), which would be most of its compile time. Not torch.library.custom_op: its first
+    call imports torch._dynamo (seconds), compiling or not."""
+    def register(function):
+        name = f"qwen3_fast::{function.__name__}"
+        torch.library.define(name, torch.library.infer_schema(function, mutates_args=mutates_args))
+        torch.library.impl(name, "default", function)
+        return getattr(torch.ops.qwen3_fast, function.__name__)
+    return register
+
+
+@custom_op()
 def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | None = None,
          eps: float = 0.0, gated: bool = False, residual: Tensor | None = None,
          router: Tensor | None = None, top_k: int = 0, norm_topk_prob: bool = False,
@@ -196,7 +203,7 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | 
     return out
 
 
-@gemv.register_fake
+@torch.library.register_fake("qwen3_fast::gemv")
 def gemv_output(x, weight, scale=None, norm=None, eps=0.0, gated=False, residual=None, router=None,
                 top_k=0, norm_topk_prob=False, routed=False):
     """gemv's output, uninitialised: (top_k, 1, N) for the picked experts, else (1, 1, N)."""
@@ -210,7 +217,8 @@ def _norm_rope(x, rows, row_mask, weight, cos, sin, eps, HEAD_DIM: tl.constexpr,
     # model.py's q_norm / k_norm and apply_rope, in fp32.
     d = tl.arange(0, D)
     half = HEAD_DIM // 2
-    partner = tl.where(d < half, d + half, d - half)  # rotate_half's partner of each dimension
+    # Rotate_half's partner of each dimension
+    partner = tl.where(d < half, d + half, d - half)
     mask = row_mask[:, None] & (d[None, :] < HEAD_DIM)
     xd = tl.load(x + rows[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
     xp = tl.load(x + rows[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -256,7 +264,8 @@ def _attention(qkv, cache_k, cache_v, pos, cos, sin, q_norm, k_norm, partial, ls
         tl.store(cache_k + cache + p * k_pos + d, new_k, mask=d_mask)
         new_v = tl.load(row + (H + KV_HEADS + h) * HEAD_DIM + d, mask=d_mask)
         tl.store(cache_v + cache + p * k_pos + d, new_v.to(cache_v.dtype.element_ty), mask=d_mask)
-        tl.debug_barrier()  # the stores are seen by all of this program's threads before the loads
+        # The stores are seen by all of this program's threads before the loads
+        tl.debug_barrier()
     m = tl.full([G], -1e30, tl.float32)
     total = tl.zeros([G], tl.float32)  # the softmax's denominator so far
     acc = tl.zeros([G, D], tl.float32)
@@ -295,7 +304,7 @@ def _merge(partial, lse, out, HEAD_DIM: tl.constexpr, D: tl.constexpr, SPLITS: t
     tl.store(out + i * HEAD_DIM + d, y.to(out.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-@torch.library.custom_op("qwen3_fast::decode_attention", mutates_args=("cache_k", "cache_v"))
+@custom_op(mutates_args=("cache_k", "cache_v"))
 def decode_attention(qkv: Tensor, cache_k: Tensor, cache_v: Tensor, positions: Tensor, cos: Tensor,
                      sin: Tensor, q_norm: Tensor, k_norm: Tensor, eps: float, heads: int,
                      kv_len: int) -> Tensor:
@@ -308,10 +317,10 @@ def decode_attention(qkv: Tensor, cache_k: Tensor, cache_v: Tensor, positions: T
     (the attended length) and sets the number of splits: a 64-key block each until there are 32,
     then more blocks each (the best of a sweep, bench/RESULTS.md); any kv_len gives the same
     result."""
-    splits = min(32, triton.next_power_of_2(triton.cdiv(kv_len, 64)))  # a power of two: the merge
+    # A power of two: the merge
+    splits = min(32, triton.next_power_of_2(triton.cdiv(kv_len, 64)))
     rows = qkv.shape[0]
-    kv_heads = cache_k.shape[1]
-    head_dim = cache_k.shape[3]
+    _, kv_heads, _, head_dim = cache_k.shape
     partial = torch.empty(rows, heads, splits, head_dim, dtype=torch.float32, device=qkv.device)
     lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=qkv.device)
     D = max(16, triton.next_power_of_2(head_dim))  # tl.dot wants blocks of at least 16
@@ -327,7 +336,7 @@ def decode_attention(qkv: Tensor, cache_k: Tensor, cache_v: Tensor, positions: T
     return out
 
 
-@decode_attention.register_fake
+@torch.library.register_fake("qwen3_fast::decode_attention")
 def _(qkv, cache_k, cache_v, positions, cos, sin, q_norm, k_norm, eps, heads, kv_len):
     return qkv.new_empty(qkv.shape[0], heads, cache_k.shape[-1])
 
@@ -398,7 +407,7 @@ def _draw(top, top_ids, count, noise, out, inv_temperature, top_p, K: tl.constex
     tl.store(out + r, token.to(tl.int64))
 
 
-@torch.library.custom_op("qwen3_fast::top_k_draw", mutates_args=())
+@custom_op()
 def top_k_draw(logits: Tensor, noise: Tensor, temperature: float, top_p: float) -> Tensor:
     """Next ids (R,) from fp32 logits (R, V): the top-k candidates, k = noise.shape[1], top-p and
     the Gumbel-max draw with noise (R, k), uniform in (0, 1)."""
@@ -417,7 +426,7 @@ def top_k_draw(logits: Tensor, noise: Tensor, temperature: float, top_p: float) 
     return out
 
 
-@top_k_draw.register_fake
+@torch.library.register_fake("qwen3_fast::top_k_draw")
 def _(logits, noise, temperature, top_p):
     return logits.new_empty(logits.shape[0], dtype=torch.long)
 

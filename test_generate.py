@@ -684,7 +684,7 @@ def test_convert_bad_inputs_one_line_and_nothing_written(snapshot, tmp_path, cap
         if p.suffix == ".safetensors":
             p.unlink()
     (snapshot / "pytorch_model.bin").write_bytes(b"pickle")
-    assert "no *.safetensors files (weights are read from safetensors alone)" in convert_error(
+    assert "no *.safetensors files; download or convert it again" in convert_error(
         argv, capsys)
     (snapshot / "config.json").write_text("{not json")
     assert "not a readable JSON file" in convert_error(argv, capsys)
@@ -1550,7 +1550,7 @@ def test_cli_bad_files_one_line(tiny, tmp_path):
             "not a readable JSON file",
         broken("genconfig",
                lambda p: (p / "generation_config.json").write_text("[1,")): "not a readable JSON",
-        broken("noweights", lambda p: shard(p).unlink()): "no model*.safetensors files (weights",
+        broken("noweights", lambda p: shard(p).unlink()): "no model*.safetensors files",
         broken("tokenizer", lambda p: (p / "tokenizer.json").write_text("{")):
             "no readable tokenizer",
         broken("config-str", lambda p: (p / "config.json").write_text('"qwen3"')):
