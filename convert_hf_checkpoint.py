@@ -55,15 +55,13 @@ def read_tensor(file: str, name: str) -> torch.Tensor:
         with safe_open(file, "pt") as tensors:
             return tensors.get_tensor(name)
     except Exception as e:  # safetensors' own error type
-        raise UserError(f"{file}: cannot read tensor {name} ({e}); the file is truncated or "
-                        "corrupt, download it again") from None
+        raise UserError(f"{file}: cannot read tensor {name} ({e}): download it again") from None
 
 
 def snapshot_args(src: pathlib.Path, int8: bool) -> ModelArgs:
     """The model of a Hugging Face snapshot, refused where it isn't one we convert."""
     if not (src / "config.json").is_file():
-        raise UserError(f"{src}: no config.json; point --checkpoint-dir at a Hugging Face "
-                        "Qwen3 snapshot")
+        raise UserError(f"{src}: no config.json; is it a Hugging Face Qwen3 snapshot?")
     generate.Tokenizer(src)  # refused now if missing or broken, not when generating
     if (src / "generation_config.json").is_file():  # likewise
         generation_config = read_json(src / "generation_config.json")
@@ -71,11 +69,9 @@ def snapshot_args(src: pathlib.Path, int8: bool) -> ModelArgs:
         generate.eos_ids(generation_config)
     cfg = read_json(src / "config.json")
     if "quantization_config" in cfg:
-        raise UserError(f"{src}: quantized Hugging Face checkpoints are not supported; "
-                        "use the bf16 one")
+        raise UserError(f"{src}: quantized snapshots are not supported: use the bf16 one")
     if "quantization" in cfg:
-        raise UserError(f"{src}: already converted; "
-                        "convert the Hugging Face snapshot it came from")
+        raise UserError(f"{src}: already converted; convert its Hugging Face snapshot")
     args = ModelArgs.from_config(cfg)
     if int8:
         args.quantization = "int8"
@@ -98,8 +94,7 @@ def joined(src: pathlib.Path, name: str, parts: list[str], files: dict, meta) ->
                             f"{part_shape} that config.json implies")
     broken = [hf for hf, t in zip(parts, tensors, strict=True) if not t.isfinite().all()]
     if broken:
-        raise UserError(f"{files[broken[0]]}: {broken[0]} holds values that are not finite (inf "
-                        "or nan); download it again")
+        raise UserError(f"{files[broken[0]]}: {broken[0]} holds values that are not finite")
     weight = torch.cat(tensors)  # experts: (experts x rows, columns)
     if weight.numel() != meta.numel() or weight.shape[-1] != meta.shape[-1]:
         raise UserError(f"{src}: {name} has shape {tuple(weight.shape)}; config.json implies "

@@ -26,6 +26,10 @@ try:
         import qwen3_triton
     except ImportError:
         qwen3_triton = None
+    try:  # optional: tensor parallelism under torchrun
+        import tp
+    except ImportError:
+        tp = None
 except KeyboardInterrupt:  # Ctrl-C while torch loads: nothing to clean up, nothing to say
     sys.exit(130)
 
@@ -387,8 +391,7 @@ class Tokenizer:
         try:
             self.tokenizer = tokenizers.Tokenizer.from_file(str(file))
         except Exception as e:  # the tokenizers library's own error type
-            raise UserError(f"{file}: no readable tokenizer ({e}); "
-                            "download it again, or copy it from the snapshot") from None
+            raise UserError(f"{file}: no readable tokenizer ({e})") from None
         config_file = pathlib.Path(path, "tokenizer_config.json")
         config = read_json(config_file) if config_file.is_file() else {}
         self.chat_template = config.get("chat_template")
@@ -412,8 +415,7 @@ class Tokenizer:
         apply_chat_template(messages, add_generation_prompt=True) renders it; thinking=False:
         enable_thinking=False."""
         if not self.chat_template:
-            raise UserError("the checkpoint has no chat template (chat_template.jinja, or "
-                            "chat_template in tokenizer_config.json): copy it from the snapshot")
+            raise UserError("the checkpoint has no chat template: copy its snapshot's own")
         import jinja2.sandbox
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
@@ -445,8 +447,9 @@ def eos_ids(generation_config: dict) -> set[int]:
     return set(ids)
 
 
-def load(path: str, device="cpu", dtype: torch.dtype | None = None) -> Checkpoint:
-    """A converted checkpoint on `device`, in `dtype` (default: bf16 on CUDA, fp32 on the CPU)."""
+def load(path: str, device="cpu", dtype: torch.dtype | None = None, split=None) -> Checkpoint:
+    """A converted checkpoint on `device`, in `dtype` (default: bf16 on CUDA, fp32 on the CPU);
+    with `split` (tp.py's TensorParallel), this rank's share of the model."""
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError("device cuda: there is no CUDA device here; use device='cpu'")
@@ -454,7 +457,7 @@ def load(path: str, device="cpu", dtype: torch.dtype | None = None) -> Checkpoin
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if not isinstance(dtype, torch.dtype):
         raise UserError(f"dtype {dtype!r} is not a torch.dtype: use torch.bfloat16, ...")
-    model = Transformer.from_checkpoint(path, device, dtype)
+    model = Transformer.from_checkpoint(path, device, dtype, split)
     tokenizer = Tokenizer(path)
     file = pathlib.Path(path, "generation_config.json")
     generation_config = read_json(file) if file.is_file() else {}
@@ -598,10 +601,13 @@ def run(args: argparse.Namespace) -> None:
     texts = args.prompt or []
     if not (texts and all(text.strip() for text in texts)):
         raise UserError("empty prompt: give --prompt TEXT")
+    split = None
+    if tp is not None and tp.launched():  # torchrun: this process is one rank of the model
+        split = tp.start(args.device)
     if not sys.stderr.isatty():  # a terminal gets a progress line instead
         print(f"loading {args.checkpoint} ...", file=sys.stderr, flush=True)
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    checkpoint = load(args.checkpoint, args.device, dtype)
+    checkpoint = load(args.checkpoint, split.device if split else args.device, dtype, split)
     given = [name for name in SAMPLING_CHECKS if getattr(args, name) is not None]
     flags = {name: getattr(args, name) for name in given}
     sampling = dataclasses.replace(checkpoint.sampling, **flags)

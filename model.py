@@ -55,12 +55,10 @@ def list_tensors(directory, pattern: str) -> dict[str, str]:
             with safe_open(file, "pt") as opened:
                 names = list(opened.keys())
         except Exception as e:  # safetensors' own error type: a truncated or corrupt file
-            raise UserError(f"{file}: not a readable safetensors file ({e}); "
-                            "download or convert it again") from None
+            raise UserError(f"{file}: not a readable safetensors file ({e})") from None
         twice = sorted(tensors.keys() & set(names))
         if twice:
-            raise UserError(f"{file}: tensor {twice[0]} is in {tensors[twice[0]]} too; "
-                            "download or convert it again")
+            raise UserError(f"{file}: tensor {twice[0]} is in {tensors[twice[0]]} too")
         tensors.update(dict.fromkeys(names, str(file)))
     return tensors
 
@@ -130,8 +128,7 @@ class ModelArgs:
         architecture = (cfg.get("architectures") or ["Qwen3ForCausalLM"])[0]
         model_type = cfg.get("model_type", "qwen3")
         if SUPPORTED.get(architecture) != model_type:
-            raise UserError(f"{architecture} (model_type {model_type}) is not supported: "
-                            "only Qwen3 is (Qwen3ForCausalLM or Qwen3MoeForCausalLM)")
+            raise UserError(f"{architecture} (model_type {model_type}) is not Qwen3: not supported")
         if cfg.get("use_sliding_window"):
             raise UserError("config.json: sliding-window attention is not supported")
         rope = rope_parameters(cfg)
@@ -502,18 +499,21 @@ class Transformer(nn.Module):
         return state
 
     @classmethod
-    def from_checkpoint(cls, path: str, device, dtype) -> "Transformer":
+    def from_checkpoint(cls, path: str, device, dtype, split=None) -> "Transformer":
         """Loads a directory written by convert_hf_checkpoint.py, straight to `device`: a tensor
-        at a time from its file, no second copy in host or device memory."""
+        at a time from its file, no second copy in host or device memory. split (tp.py's
+        TensorParallel): this rank's share alone, at its shapes (split.rank_args), each tensor's
+        slice read (split.read), the all-reduces added (split.apply)."""
         config = pathlib.Path(path, "config.json")
         if not config.is_file():
-            raise UserError(f"no converted checkpoint at {path}: convert a Hugging Face snapshot "
-                            "with convert_hf_checkpoint.py")
+            raise UserError(f"{path}: no converted checkpoint; convert_hf_checkpoint.py writes one")
         cfg = read_json(config)
         if "quantization" not in cfg:  # every config.json our converter writes has it
             raise UserError(f"{path} is a Hugging Face snapshot: convert it first "
                             f"(python convert_hf_checkpoint.py --checkpoint-dir {path})")
         args = ModelArgs.from_config(cfg)
+        if split is not None:
+            args = split.rank_args(args)
         with torch.device("meta"):
             model = cls(args)
         expected = {name: t.shape for name, t in model.checkpoint_tensors().items()}
@@ -523,7 +523,10 @@ class Transformer(nn.Module):
             # A file at a time: its pages are mapped until its last tensor is read
             with safe_open(file, "pt", device=str(device)) as opened:
                 for name in opened.keys():
-                    tensor = opened.get_tensor(name)
+                    if split is None:
+                        tensor = opened.get_tensor(name)
+                    else:  # this rank's slice of it alone is read
+                        tensor = split.read(name, opened.get_slice(name)).to(device)
                     if tensor.dtype != torch.int8:
                         tensor = tensor.to(dtype)
                     state[name] = tensor
@@ -532,11 +535,13 @@ class Transformer(nn.Module):
         mismatched = sorted(n for n in expected.keys() | found.keys()
                             if expected.get(n) != found.get(n))
         if mismatched:
-            raise UserError(f"{path}: weights do not match config.json (first {mismatched[0]}); "
-                            "convert the checkpoint again")
+            raise UserError(f"{path}: weights do not match config.json ({mismatched[0]}); "
+                            "convert again")
         # The loaded tensors themselves, no copy; every one is checked above. A tied lm_head is not
         # among them: it is the embedding again.
         model.load_state_dict(state, strict=False, assign=True)
         if args.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
+        if split is not None:
+            split.apply(model)
         return model.eval().requires_grad_(False)

@@ -27,30 +27,35 @@ def forward_one_token(model: Transformer, tokens: Tensor, positions: Tensor,
     for layer in model.layers:
         attn = layer.self_attn
         qkv = product(attn.qkv_proj, x, norm=layer.input_layernorm)
-        cache = attn.kv_cache
-        y = decode_attention(qkv, cache.k, cache.v, positions[:, 0], model.rope_cos, model.rope_sin,
-                             attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, attn.n_heads,
-                             kv_positions.shape[0])
+        y = decode_attention(qkv, attn.kv_cache.k, attn.kv_cache.v, positions[:, 0], model.rope_cos,
+                             model.rope_sin, attn.q_norm.weight, attn.k_norm.weight,
+                             attn.q_norm.eps, attn.n_heads, kv_positions.shape[0])
         x = product(attn.o_proj, y.view(1, 1, -1), residual=x)
         norm = layer.post_attention_layernorm
         mlp = layer.mlp
         routing = {}  # a dense MLP's
-        # The router's logits (experts,) pick the experts in the kernels
-        if isinstance(mlp, MoE):
+        moe = isinstance(mlp, MoE)
+        if moe:  # the router's logits (experts,) pick the experts in the kernels
             router = product(mlp.gate, x, norm=norm).view(-1)
             routing = dict(router=router, top_k=mlp.top_k, norm_topk_prob=mlp.norm_topk_prob)
         # (1, 1, 2 x inner); MoE: (top_k, 1, 2 x inner), an output per pick
         gate_up = product(mlp.gate_up_proj, x, norm=norm, **routing)
-        x = product(mlp.down_proj, gate_up, gated=True, residual=x, routed=bool(routing), **routing)
+        x = product(mlp.down_proj, gate_up, gated=True, residual=x, routed=moe, **routing)
     return product(model.lm_head, x, norm=model.norm)
 
 
 def product(proj: Linear, x: Tensor, norm: torch.nn.RMSNorm | None = None,
-            **options) -> Tensor:
-    """proj(x) as one gemv; with `norm`, of norm(x), normalised as x is read."""
+            residual: Tensor | None = None, **options) -> Tensor:
+    """proj(x) + residual as one gemv; with `norm`, of norm(x), normalised as x is read. Where tp.py
+    split proj's input over the ranks (proj.tensor_parallel), each rank's product is a share of the
+    sum: the residual is added on one rank alone, then an all-reduce sums the shares."""
     if norm is not None:
         options.update(norm=norm.weight, eps=norm.eps)
-    return gemv(x, proj.weight, scale=proj.scale, **options)
+    split = getattr(proj, "tensor_parallel", None)
+    if split is None:
+        return gemv(x, proj.weight, scale=proj.scale, residual=residual, **options)
+    share = gemv(x, proj.weight, scale=proj.scale, residual=split.residual(residual), **options)
+    return split.all_reduce(share)
 
 
 @triton.jit
@@ -434,7 +439,6 @@ def _(logits, noise, temperature, top_p):
 def sample_top_k(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
     """generate.sample for a top-k filter (0 < top_k <= MAX_TOP_K): the same ids (R,) from logits
     (R, V), from the same noise, drawn here as generate.sample draws it."""
+    noise = torch.rand(logits.shape[0], top_k, device=logits.device)
     # fp32 (for bf16 logits a copy: inductor lowers the product's output slowly without one)
-    scores = logits.float()
-    noise = torch.rand(scores.shape[0], top_k, device=scores.device)
-    return top_k_draw(scores, noise, temperature, top_p)
+    return top_k_draw(logits.float(), noise, temperature, top_p)

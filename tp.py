@@ -1,0 +1,130 @@
+"""Tensor parallelism: one model split over the processes that torchrun starts, one GPU each (NCCL),
+or CPU processes (gloo, with --device cpu). generate.py runs whole without this file.
+
+    torchrun --nproc-per-node 2 generate.py --cuda-graph --prompt "Hello, my name is"
+
+Each rank builds the model at its own shapes and reads only its slices of the converted files: 1/N
+of the query heads, of the kv heads (each replicated over N / kv_heads ranks where N is larger, as
+the large serving engines do), of the MLP's and of each expert's intermediate size. q, k and v are
+split inside the fused qkv_proj, gate and up inside the fused gate_up_proj (column-parallel, int8
+scales following their rows); o_proj and down_proj take their input split (row-parallel), and one
+all-reduce each sums the ranks' shares. The embedding, the norms, the MoE router and lm_head are
+whole on every rank, so every rank gets the same logits and, from the same seed, samples the same
+tokens: nothing is broadcast.
+"""
+import dataclasses
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from model import ModelArgs, Transformer, UserError
+
+# Row-parallel: their input is split; the rest of the model is split in its output rows or whole
+ROW_PARALLEL = ("o_proj", "down_proj")
+# The parts of the fused products, in their order of rows
+FUSED = ("qkv_proj", "gate_up_proj")
+
+
+def launched() -> bool:
+    """Whether torchrun started this process (as one rank of one or more)."""
+    return "LOCAL_RANK" in os.environ
+
+
+def start(device: torch.device) -> "TensorParallel":
+    """This process's rank from torchrun's environment, its process group (NCCL on CUDA, gloo on
+    the CPU) and its GPU: cuda:LOCAL_RANK. Ranks but 0 print nothing: their output goes nowhere."""
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    rank = dist.get_rank()
+    if rank:
+        sys.stdout = sys.stderr = open(os.devnull, "w")  # open until the exit
+    return TensorParallel(rank, dist.get_world_size(), device)
+
+
+@dataclasses.dataclass
+class TensorParallel:
+    """Rank `rank` of `world`: what Transformer.from_checkpoint asks of a split (rank_args, read,
+    apply)."""
+    rank: int
+    world: int
+    device: torch.device
+    args: ModelArgs | None = None  # the whole model's, from rank_args
+
+    def rank_args(self, args: ModelArgs) -> ModelArgs:
+        """The shapes of this rank's share of the model `args`."""
+        self.args = args
+        sizes = {"num_attention_heads": args.num_attention_heads,
+                 "intermediate_size": args.intermediate_size,
+                 "moe_intermediate_size": args.moe_intermediate_size}
+        kv_heads = args.num_key_value_heads
+        fits = [n for n in range(1, 65) if all(size % n == 0 for size in sizes.values())
+                and (kv_heads % n == 0 or n % kv_heads == 0)]
+        if self.world not in fits:
+            raise UserError(f"{self.world} processes can't split this model: use one of {fits}")
+        shares = {name: size // self.world for name, size in sizes.items()}
+        local_kv = max(kv_heads // self.world, 1)
+        return dataclasses.replace(args, **shares, num_key_value_heads=local_kv)
+
+    def rows(self, module: str, total: int) -> list[slice]:
+        """This rank's rows of a fused product's `total` output rows: of q, k and v, or of gate and
+        up. Its kv heads start at head rank * kv_heads // world, which replicates each over world /
+        kv_heads ranks where there are fewer kv heads than ranks."""
+        if module == "gate_up_proj":
+            width = total // 2 // self.world
+            return [slice(start, start + width) for start in (self.rank * width,
+                                                              total // 2 + self.rank * width)]
+        args = self.args
+        size = args.head_dim
+        q = args.num_attention_heads * size // self.world
+        kv = max(args.num_key_value_heads // self.world, 1) * size
+        kv_start = self.rank * args.num_key_value_heads // self.world * size
+        k_start = args.num_attention_heads * size + kv_start
+        v_start = k_start + args.num_key_value_heads * size
+        return [slice(self.rank * q, self.rank * q + q), slice(k_start, k_start + kv),
+                slice(v_start, v_start + kv)]
+
+    def read(self, name: str, part) -> torch.Tensor:
+        """This rank's share of the converted tensor `name` from `part`, its safetensors slice:
+        only these bytes are read."""
+        module, leaf = name.split(".")[-2:]
+        shape = part.get_shape()
+        whole = [slice(None)] * len(shape)
+        if module in ROW_PARALLEL and leaf == "weight":  # the input columns, made contiguous
+            width = shape[-1] // self.world
+            columns = slice(self.rank * width, self.rank * width + width)
+            return part[(*whole[:-1], columns)].contiguous()
+        if module not in FUSED:  # whole on every rank (a row-parallel scale: per output row)
+            return part[:]
+        # The output rows: a weight's second-last dimension, a scale's last
+        dim = len(shape) - (2 if leaf == "weight" else 1)
+        shares = [part[(*whole[:dim], rows)] for rows in self.rows(module, shape[dim])]
+        return torch.cat(shares, dim)
+
+    def apply(self, model: Transformer) -> None:
+        """The all-reduces. PyTorch's path: each block's attention and MLP output is a share of the
+        sum, which the all-reduce completes before the block adds its residual. The fast path
+        (qwen3_triton.product): o_proj's and down_proj's kernels add the residual on rank 0 alone,
+        then the all-reduce sums the shares."""
+        for layer in model.layers:
+            for module in (layer.self_attn, layer.mlp):
+                module.register_forward_hook(lambda _module, _inputs, share: self.all_reduce(share))
+            for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                proj.tensor_parallel = self
+
+    def all_reduce(self, share: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's `share`: one all-reduce that eager code, our CUDA graphs and
+        torch.compile alike can run."""
+        return funcol.all_reduce(share, "sum", dist.group.WORLD)
+
+    def residual(self, residual: torch.Tensor | None) -> torch.Tensor | None:
+        """What a row-parallel kernel adds to its share: the residual on rank 0 alone, so that the
+        sum holds it once."""
+        if self.rank:
+            return None
+        return residual
