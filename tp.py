@@ -12,6 +12,7 @@ all-reduce each sums the ranks' shares. The embedding, the norms, the MoE router
 whole on every rank, so every rank gets the same logits and, from the same seed, samples the same
 tokens: nothing is broadcast.
 """
+import atexit
 import dataclasses
 import os
 import sys
@@ -41,6 +42,8 @@ def start(device: torch.device) -> "TensorParallel":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    # Before the interpreter's teardown, which a live group's threads can abort
+    atexit.register(dist.destroy_process_group)
     rank = dist.get_rank()
     if rank:
         sys.stdout = sys.stderr = open(os.devnull, "w")  # open until the exit
