@@ -323,8 +323,9 @@ class Generator:
         token or max_new tokens. Returns each row's new tokens, cut before its first stop token, and
         timings. on_tokens(rows) gets the tokens so far at each check. Sampling draws from torch's
         random generator: torch.manual_seed makes the tokens reproducible, the same in every
-        mode. start: the prompts' first position, past the tokens that the rows keep in the cache
-        from before (a conversation's earlier turns, see Chat); only the prompts are prefilled."""
+        mode. start: the prompts' first position; the rows keep their tokens before it in the
+        cache from an earlier call (a conversation's earlier turns): only the prompts are
+        prefilled."""
         self.check_prompts(prompts)
         check_count("max_new", max_new)
         check_count("check_every", check_every)

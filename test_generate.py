@@ -1103,6 +1103,26 @@ def test_causal_prompt_path_equals_the_masked_one(tiny):
     assert torch.allclose(causal, masked, atol=1e-5)
 
 
+@pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe"])
+def test_a_prompt_continues_its_rows_cached_tokens(checkpoint, request):
+    """generate(start=): a second prompt prefilled at positions after the first's, on the cache the
+    first left, gives what the two prompts as one give (greedy, fp32); its prefill ran its own
+    tokens alone."""
+    path = request.getfixturevalue(checkpoint)
+    first, second = [5, 3, 9, 27, 4], [11, 2, 8, 30, 6, 7]
+    gen = generator(path)
+    gen.generate([first], max_new=1, stop_ids=set())
+    ran = []
+    gen.model.embed_tokens.register_forward_hook(lambda _m, inputs, _out: ran.append(inputs[0]))
+    rows, _ = gen.generate([second], max_new=16, stop_ids=set(), start=len(first))
+    whole, _ = generator(path).generate([first + second], max_new=16, stop_ids=set())
+    assert rows == whole and ran[0].tolist() == [second]
+    with pytest.raises(UserError, match="start must be an int of at least 0"):
+        gen.generate([second], max_new=4, stop_ids=set(), start=-1)
+    with pytest.raises(UserError, match="over the cache length"):
+        gen.generate([second], max_new=4, stop_ids=set(), start=510)
+
+
 def test_greedy_decode_equals_full_recomputation(tiny):
     prompt = [1, 2, 3, 4, 5]
     out = greedy(tiny, [prompt], max_new=30)[0]

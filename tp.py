@@ -113,7 +113,9 @@ class TensorParallel:
         """The all-reduces. PyTorch's path: each block's attention and MLP output is a share of the
         sum, which the all-reduce completes before the block adds its residual. The fast path
         (qwen3_triton.product): o_proj's and down_proj's kernels add the residual on rank 0 alone,
-        then the all-reduce sums the shares."""
+        then the all-reduce sums the shares. One rank holds the whole sum: it needs none."""
+        if self.world == 1:
+            return
         for layer in model.layers:
             for module in (layer.self_attn, layer.mlp):
                 module.register_forward_hook(lambda _module, _inputs, share: self.all_reduce(share))
