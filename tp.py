@@ -23,9 +23,9 @@ import torch.distributed._functional_collectives as funcol
 
 from model import ModelArgs, Transformer, UserError
 
-# Row-parallel: their input is split; the rest of the model is split in its output rows or whole
+# Row-parallel: each rank takes its columns of the weight (its share of the input)
 ROW_PARALLEL = ("o_proj", "down_proj")
-# The parts of the fused products, in their order of rows
+# Column-parallel: each rank takes its rows of every part of the fused product (q, k, v; gate, up)
 FUSED = ("qkv_proj", "gate_up_proj")
 
 
