@@ -548,7 +548,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--top-p", type=SAMPLING_CHECKS["top_p"], help="1 keeps every token")
     seed = checked(int, "in [0, 2^64)", lambda value: 0 <= value < 1 << 64)
     parser.add_argument("--seed", type=seed,
-                        help="the same seed gives the same text, in every mode")
+                        help="the same seed gives the same text (in fp32, in every mode)")
     parser.add_argument("--max-new-tokens", type=POSITIVE, default=200)
     parser.add_argument("--stop-ids", type=int, nargs="*", default=[],
                         help="stop tokens besides the model's eos")
