@@ -441,7 +441,7 @@ class Transformer(nn.Module):
         steps = torch.arange(capacity, dtype=torch.float)  # the positions, as floats
         # (capacity, head_dim): both halves alike
         angles = steps[:, None] * inv_freq.repeat(2)
-        # Rotate_half's
+        # rotate_half's signs: -1 for the first half, +1 for the second
         signs = torch.tensor([-1.0, 1.0]).repeat_interleave(args.head_dim // 2)
         cos = angles.cos() * scale
         sin = angles.sin() * scale * signs
@@ -517,9 +517,9 @@ class Transformer(nn.Module):
         with torch.device("meta"):
             model = cls(args)
         expected = {name: t.shape for name, t in model.checkpoint_tensors().items()}
-        files = list_tensors(path, "model*.safetensors").values()  # every tensor's file
+        tensors = list_tensors(path, "model*.safetensors")  # name -> its file
         state = {}
-        for file in sorted(set(files)):
+        for file in sorted(set(tensors.values())):
             # A file at a time: its pages are mapped until its last tensor is read
             with safe_open(file, "pt", device=str(device)) as opened:
                 for name in opened.keys():
@@ -530,7 +530,7 @@ class Transformer(nn.Module):
                     if tensor.dtype != torch.int8:
                         tensor = tensor.to(dtype)
                     state[name] = tensor
-                    show_progress(f"loading {path}", len(state), len(files))
+                    show_progress(f"loading {path}", len(state), len(tensors))
         found = {name: t.shape for name, t in state.items()}
         mismatched = sorted(n for n in expected.keys() | found.keys()
                             if expected.get(n) != found.get(n))

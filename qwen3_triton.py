@@ -222,7 +222,7 @@ def _norm_rope(x, rows, row_mask, weight, cos, sin, eps, HEAD_DIM: tl.constexpr,
     # model.py's q_norm / k_norm and apply_rope, in fp32.
     d = tl.arange(0, D)
     half = HEAD_DIM // 2
-    # Rotate_half's partner of each dimension
+    # The partner of each dimension in rotate_half
     partner = tl.where(d < half, d + half, d - half)
     mask = row_mask[:, None] & (d[None, :] < HEAD_DIM)
     xd = tl.load(x + rows[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
