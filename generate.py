@@ -146,6 +146,9 @@ class DecodeState:
         # The token each row feeds next, and its position
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        # A prefill's positions, (R, T) at the start of this buffer: a graph captured for one
+        # shape reads them at the one address it recorded, whatever position the prompts start at
+        self.prompt_positions = torch.zeros(batch, capacity, dtype=torch.long, device=device)
 
 
 def prefill_prompts(model: Transformer, draw, state: DecodeState, positions: torch.Tensor,
@@ -227,10 +230,7 @@ class GenerationStats:
 
 def stop_index(tokens: list[int], stop_ids: set) -> int | None:
     """Where the first stop token is in `tokens`, or None."""
-    for i, token in enumerate(tokens):
-        if token in stop_ids:
-            return i
-    return None
+    return next((i for i, token in enumerate(tokens) if token in stop_ids), None)
 
 
 class Generator:
@@ -309,7 +309,8 @@ class Generator:
         state.sequences[:count, start:start + length] = torch.tensor(padded)
         state.positions.zero_()
         state.positions[:count, 0] = torch.tensor([start + len(prompt) for prompt in prompts])
-        positions = self.model.key_positions[start:start + length].expand(count, -1)
+        positions = state.prompt_positions[:count, :length]
+        positions.copy_(self.model.key_positions[start:start + length])  # to every row
         kv_positions = None  # prompts from position 0 attend among themselves
         if start:
             kv_positions = self.attended(start + length)

@@ -1280,6 +1280,28 @@ def test_cuda_no_host_sync_inside_prefill_and_decode_steps(checkpoint, prompts, 
 
 
 @needs_cuda
+@pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe"])
+def test_cuda_prompts_continuing_their_rows_at_other_positions_in_every_mode(checkpoint, request):
+    """fp32, sampled with one seed: prompts prefilled after cached tokens (generate(start=)) at two
+    starts that give the prefill the same shapes (its bucket of 64, the attended 128): compiled
+    and graphed, the second reads its own positions, not those the first's graph recorded; the
+    same tokens as eager."""
+    path = request.getfixturevalue(checkpoint)
+    runs = {}
+    for mode, flags in MODES.items():
+        torch.manual_seed(0)
+        gen = generator(path, device="cuda", sampling=G.SamplingParams(temperature=1.0, top_k=50),
+                        **flags)
+        runs[mode] = []
+        for first in ([5, 3, 9, 27, 4], [8, 1, 2, 6, 13, 17, 21, 4, 2]):
+            gen.generate([first], max_new=1, stop_ids=set())
+            rows, _ = gen.generate([[11, 2, 8, 30]], max_new=30, stop_ids=set(), start=len(first))
+            runs[mode].append(rows[0])
+    assert runs["graph"] == runs["compile"] == runs["eager"]
+    assert runs["eager"][0] != runs["eager"][1]
+
+
+@needs_cuda
 @pytest.mark.parametrize("mode", MODES)
 def test_cuda_sampler_kernel_draws_pytorchs_tokens_in_every_mode(tiny, mode):
     """Batch 2, where PyTorch's ops run the forward either way: the sampler kernel gives sample's

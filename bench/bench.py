@@ -12,6 +12,7 @@ built on the GPU.
                                                                        # first token
     python bench/bench.py ttft --size 8B --batch 8 --modes graph   # 8 prompts in one prefill,
                                                                    # and one by one
+    python bench/bench.py ttft --size 8B --lengths 40 --history 3000 --modes graph  # a chat's turn
     python bench/bench.py first-text --modes graph,compile  # from the model on the GPU to the
                                                             # first text
     python bench/bench.py first-text --modes graph --checkpoint DIR  # from a process's start
@@ -244,18 +245,20 @@ def ttft(a: argparse.Namespace) -> list:
     """Time to first token: the prefill of a prompt of each of --lengths tokens and its first token,
     best of 5 after a warm-up (which compiles and captures), for each of --modes; with --batch N, N
     prompts of 100 to 500 tokens in one prefill, beside the sum of their prefills one at a time.
-    --peer: transformers' generate(max_new_tokens=1) for each length, in the same process."""
+    --peer: transformers' generate(max_new_tokens=1) for each length, in the same process.
+    --history H: each prompt also as a chat's next turn, prefilled after H tokens already in the
+    cache (generate(start=H), as Chat does), beside the prefill of the whole H + prompt."""
     model = random_model(a.size, a.int8)
     lengths = [int(n) for n in a.lengths.split(",")]
     for mode in a.modes.split(","):
         torch._dynamo.reset()
         gc.collect()
-        gen = G.Generator(model, batch=a.batch, capacity=max(lengths + [500]) + 16,
+        gen = G.Generator(model, batch=a.batch, capacity=a.history + max(lengths + [500]) + 16,
                           sampling=SAMPLED, **MODES[mode])
         every_expert(model, a.every_expert)
 
-        def best(prompts, gen=gen):
-            return min(gen.generate(prompts, max_new=1, stop_ids=set())[1].prefill_s
+        def best(prompts, start=0, gen=gen):
+            return min(gen.generate(prompts, max_new=1, stop_ids=set(), start=start)[1].prefill_s
                        for _ in range(6)) * 1e3
         if a.batch > 1:
             prompts = [torch.randint(0, VOCAB, (int(n),)).tolist()
@@ -265,8 +268,15 @@ def ttft(a: argparse.Namespace) -> list:
                   "singles_ms": round(sum(best([p]) for p in prompts), 1)})
             continue
         for n in lengths:
-            emit({"size": a.size, "mode": mode, "prompt": n,
-                  "ttft_ms": round(best([torch.randint(0, VOCAB, (n,)).tolist()]), 1)})
+            prompt = torch.randint(0, VOCAB, (n,)).tolist()
+            row = {"size": a.size, "mode": mode, "prompt": n, "ttft_ms": round(best([prompt]), 1)}
+            if a.history:
+                history = torch.randint(0, VOCAB, (a.history,)).tolist()
+                gen.generate([history], max_new=1, stop_ids=set())  # now in the cache
+                row.update(history=a.history,
+                           after_history_ms=round(best([prompt], start=a.history), 1),
+                           whole_ms=round(best([history + prompt]), 1))
+            emit(row)
     if a.peer:
         del gen, model
         gc.collect()
@@ -415,6 +425,8 @@ def main():
     ap.add_argument("--cache", type=int, default=1024, help="KV cache positions")
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens")
     ap.add_argument("--lengths", default="128", help="ttft: comma-separated prompt lengths")
+    ap.add_argument("--history", type=int, default=0,
+                    help="ttft: tokens of a conversation already in the cache")
     ap.add_argument("--every-expert", action="store_true",
                     help="MoE: every expert on every token where the kernels don't run")
     ap.add_argument("--n1", type=int, default=64)
