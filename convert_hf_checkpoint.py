@@ -21,13 +21,16 @@ import shutil
 import signal
 import sys
 
-import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+try:
+    import torch
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import save_file
 
-import generate
-from model import (ModelArgs, Transformer, UserError, list_tensors, quantize_int8, read_json,
-                   show_progress)
+    import generate
+    from model import (ModelArgs, Transformer, UserError, list_tensors, quantize_int8,
+                       read_json, show_progress)
+except KeyboardInterrupt:  # Ctrl-C while torch loads: nothing written, nothing to say
+    sys.exit(130)
 
 # Our fused tensors, and the Hugging Face tensors they concatenate
 FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}

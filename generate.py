@@ -569,7 +569,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise UserError("no CUDA device here: use --device cpu")
     args.device = torch.device(args.device)
     if args.cuda_graph and args.device.type != "cuda":
-        raise UserError("--cuda-graph needs a CUDA device: use --device cuda, or leave it out")
+        raise UserError("--cuda-graph needs a CUDA device (--device cuda): leave it out on the CPU")
     if (args.system or args.no_think) and not args.chat:
         raise UserError("--system and --no-think go with --chat")
     return args

@@ -426,7 +426,7 @@ class Transformer(nn.Module):
         args = self.args
         if capacity > args.max_position_embeddings:
             raise UserError(f"a cache of {capacity} positions is over the model's "
-                            f"{args.max_position_embeddings}: ask for fewer tokens")
+                            f"{args.max_position_embeddings}: ask for fewer positions")
         device = self.norm.weight.device
         dtype = self.norm.weight.dtype
         # One spare position, never attended: every attended prefix is then a strict slice of the
