@@ -180,9 +180,9 @@ def bucket(length: int, capacity: int) -> int:
     """One of the few lengths that the compiled and graphed steps see (a graph each): the next power
     of two from 64 to 2,048, then the next multiple of 256, within the capacity. A decode step
     attends to that prefix of the cache, so its cost follows the live length, not the capacity; a
-    bucketed prefill pads its prompts to it, and runs the bucket of their total of tokens. Below
-    2,048 tokens doubling keeps the graphs few; above, a step of 256 keeps the padding's work small
-    (see bench/RESULTS.md), at a graph per 256 positions, each captured when first used."""
+    bucketed prefill pads its prompts to it. Below 2,048 tokens doubling keeps the graphs few;
+    above, a step of 256 keeps the padding's work small (see bench/RESULTS.md), at a graph per 256
+    positions, each captured when first used."""
     if length > 2048:
         step = 256
     else:
@@ -258,9 +258,10 @@ class Generator:
         self.batch = batch
         self.capacity = capacity
         self.state = DecodeState(batch, capacity, device)
+        self.compiled = compile
+        self.graphed = cuda_graph
         # Prompts padded to a few lengths, a graph each
         self.bucketed = compile or cuda_graph
-        self.compiled = compile
         if compile:
             # torch._dynamo is imported here alone: it takes seconds
             for tensor in vars(self.state).values():  # cudagraph trees: inputs, not copies
@@ -273,7 +274,6 @@ class Generator:
         if use_kernels and batch == 1:  # the fast path's products take one token
             forward = functools.partial(qwen3_triton.forward_one_token, model)
         draw = sampler(sampling, use_kernels, model.args.vocab_size)
-        self.graphed = cuda_graph
         self.step = self.in_mode(functools.partial(decode_one_token, forward, draw, self.state))
         prefill = functools.partial(prefill_prompts, model, draw, self.state)
         self.prefill_step = self.in_mode(prefill)

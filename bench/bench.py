@@ -322,22 +322,29 @@ def first_text(a: argparse.Namespace) -> list:
                  "first_text_s": round(first[0], 2)}]
     rows = []
     for mode in a.modes.split(","):
-        caches = tempfile.mkdtemp()
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": f"{caches}/inductor",
-               "TRITON_CACHE_DIR": f"{caches}/triton", "PYTHONPYCACHEPREFIX": f"{caches}/pyc"}
-        for run in ("cold", "warm"):
-            dropped = run == "cold" and drop_page_cache()
-            if a.checkpoint:
-                command = [sys.executable, str(ROOT / "generate.py"), "--checkpoint", a.checkpoint,
-                           "--prompt", "Hello, my name is", "--max-new-tokens", "64", *FLAGS[mode]]
-                rows.append({"mode": mode, "run": run, "page_cache_dropped": dropped,
-                             **first_byte(command, env)})
-                continue
-            command = [sys.executable, __file__, "first-text", "--inner", "--size", a.size,
-                       "--modes", mode]
-            out = subprocess.run(command, env=env, capture_output=True, text=True,
-                                 check=True).stdout
-            rows.append({**json.loads(out.strip().splitlines()[-1]), "run": run})
+        with tempfile.TemporaryDirectory() as caches:  # the cold run's caches, removed after
+            rows += cold_and_warm(a, mode, caches)
+    return rows
+
+
+def cold_and_warm(a: argparse.Namespace, mode: str, caches: str) -> list:
+    """first-text's two runs of `mode`, with their caches in the directory `caches`."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": f"{caches}/inductor",
+           "TRITON_CACHE_DIR": f"{caches}/triton", "PYTHONPYCACHEPREFIX": f"{caches}/pyc"}
+    rows = []
+    for run in ("cold", "warm"):
+        dropped = run == "cold" and drop_page_cache()
+        if a.checkpoint:
+            command = [sys.executable, str(ROOT / "generate.py"), "--checkpoint", a.checkpoint,
+                       "--prompt", "Hello, my name is", "--max-new-tokens", "64", *FLAGS[mode]]
+            rows.append({"mode": mode, "run": run, "page_cache_dropped": dropped,
+                         **first_byte(command, env)})
+            continue
+        command = [sys.executable, __file__, "first-text", "--inner", "--size", a.size,
+                   "--modes", mode]
+        out = subprocess.run(command, env=env, capture_output=True, text=True,
+                             check=True).stdout
+        rows.append({**json.loads(out.strip().splitlines()[-1]), "run": run})
     return rows
 
 
@@ -401,17 +408,21 @@ def write_checkpoint(a: argparse.Namespace) -> list:
     from safetensors.torch import save_file
     model = random_model(a.size, a.int8)
     out = pathlib.Path(a.checkpoint)
-    out.mkdir(parents=True)
-    shard = {}
-    tensors = list(model.checkpoint_tensors().items())
-    for i, (name, tensor) in enumerate(tensors):
-        shard[name] = tensor.contiguous()
-        if sum(t.nbytes for t in shard.values()) >= 2 << 30 or i == len(tensors) - 1:
-            save_file(shard, out / f"model-{i:05d}.safetensors")
-            shard = {}
-    (out / "config.json").write_text(json.dumps(dataclasses.asdict(model.args)))
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(pathlib.Path(a.tokenizer_from, name), out)
+    out.mkdir()  # a new directory: ours to remove if the writing stops
+    try:
+        shard = {}
+        tensors = list(model.checkpoint_tensors().items())
+        for i, (name, tensor) in enumerate(tensors):
+            shard[name] = tensor.contiguous()
+            if sum(t.nbytes for t in shard.values()) >= 2 << 30 or i == len(tensors) - 1:
+                save_file(shard, out / f"model-{i:05d}.safetensors")
+                shard = {}
+        (out / "config.json").write_text(json.dumps(dataclasses.asdict(model.args)))
+        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            shutil.copy(pathlib.Path(a.tokenizer_from, name), out)
+    except BaseException:  # an error or Ctrl-C: no half-written checkpoint
+        shutil.rmtree(out)
+        raise
     return [{"wrote": str(out), "GB": round(weight_bytes(model) / 1e9, 1)}]
 
 
