@@ -439,9 +439,10 @@ def test_the_card_files_work_without_the_fast_path(tiny, tmp_path):
     script = str(tmp_path / "convert_hf_checkpoint.py")
     r = cli("--checkpoint-dir", str(tmp_path / "hf"), script=script, cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr
+    # Seeded: the checkpoint's sampling could otherwise draw an eos before the fifth token
     r = cli("--checkpoint", str(tmp_path / "hf" / "converted"), "--prompt", "hello",
-            "--max-new-tokens", "5", "--device", "cpu", script=str(tmp_path / "generate.py"),
-            cwd=tmp_path, env=env)
+            "--max-new-tokens", "5", "--seed", "0", "--device", "cpu",
+            script=str(tmp_path / "generate.py"), cwd=tmp_path, env=env)
     assert r.returncode == 0 and "5 new tokens" in r.stderr, r.stderr
     assert not os.path.exists(tmp_path / "qwen3_triton.py")
 
