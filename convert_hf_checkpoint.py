@@ -9,7 +9,11 @@ Tensors are read one at a time and written in shards, so memory stays near one s
 model's size. The output is written to a hidden directory beside its destination and renamed into
 place when complete; nothing that exists is replaced, and a failure, Ctrl-C, SIGTERM or SIGHUP
 leaves nothing behind.
+
+This file also holds what both formats' readers share (generate.py and quantize.py import it): the
+checks of config.json, the safetensors index, the one-line errors.
 """
+import argparse
 import contextlib
 import dataclasses
 import glob
@@ -26,11 +30,164 @@ try:
     from safetensors import SafetensorError, safe_open
     from safetensors.torch import save_file
 
-    import generate
-    from model import (ModelArgs, Transformer, UserError, list_tensors, quantize_int8,
-                       read_json, show_progress)
+    from model import ModelArgs, Transformer
 except KeyboardInterrupt:  # Ctrl-C while torch loads: nothing written, nothing to say
     sys.exit(130)
+
+
+class UserError(Exception):
+    """Bad input: the command-line tools print it as one line instead of a traceback."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):  # one line, as for every other bad input
+        raise UserError(message)
+
+
+def positive(text: str) -> int:
+    """An argparse type: an int of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {text}")
+    return value
+
+
+def read_json(path) -> dict:
+    """A JSON object from a file; anything else (unreadable, not JSON, a list) is a UserError."""
+    try:
+        value = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # ValueError: not UTF-8, or not JSON
+        raise UserError(f"{path}: not a readable JSON file ({e})") from None
+    if not isinstance(value, dict):
+        kind = type(value).__name__
+        raise UserError(f"{path}: not a JSON object but {kind}; download or convert it again")
+    return value
+
+
+def show_progress(what: str, done: int, total: int) -> None:
+    """`what` and the share of it done, redrawn in place on stderr where stderr is a terminal (a
+    log gets nothing); the line ends when done reaches total."""
+    if sys.stderr.isatty():
+        end = "\n" if done == total else ""
+        print(f"\r{what}: {100 * done // total}%", end=end, file=sys.stderr, flush=True)
+
+
+def list_tensors(directory, pattern: str) -> dict[str, str]:
+    """Every tensor's name in the safetensors files `pattern` of `directory` -> the file that holds
+    it, read from the headers alone. A name in two files is refused: which one holds the weight is
+    anyone's guess."""
+    files = sorted(pathlib.Path(directory).glob(pattern))
+    if not files:
+        raise UserError(f"{directory}: no {pattern} files; download or convert it again")
+    tensors = {}
+    for file in files:
+        try:
+            with safe_open(file, "pt") as opened:
+                names = list(opened.keys())
+        except Exception as e:  # safetensors' own error type: a truncated or corrupt file
+            raise UserError(f"{file}: not a readable safetensors file ({e})") from None
+        twice = sorted(tensors.keys() & set(names))
+        if twice:
+            raise UserError(f"{file}: tensor {twice[0]} is in {tensors[twice[0]]} too")
+        tensors.update(dict.fromkeys(names, str(file)))
+    return tensors
+
+
+def read_tensor(file: str, name: str) -> torch.Tensor:
+    try:
+        # Opened per tensor: only this tensor's pages are ever mapped
+        with safe_open(file, "pt") as tensors:
+            return tensors.get_tensor(name)
+    except Exception as e:  # safetensors' own error type
+        raise UserError(f"{file}: cannot read tensor {name} ({e}): download it again") from None
+
+
+# The supported architectures, each with its model_type
+SUPPORTED = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
+# The JSON types a config.json value may have, by the type of its ModelArgs field. A bool is no int
+# here.
+CONFIG_TYPES = {int: (int,), float: (int, float), bool: (bool,), list[int]: (list,), dict: (dict,)}
+# What config.json must give, each above 0: no default is safe for these
+REQUIRED = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "vocab_size", "rms_norm_eps", "max_position_embeddings"]
+
+
+def model_args(config: dict) -> ModelArgs:
+    """The model of a config.json, a Hugging Face one or ours, refused in one line where its values
+    describe none we run."""
+    architecture = (config.get("architectures") or ["Qwen3ForCausalLM"])[0]
+    model_type = config.get("model_type", "qwen3")
+    if SUPPORTED.get(architecture) != model_type:
+        raise UserError(f"{architecture} (model_type {model_type}) is not Qwen3: not supported")
+    if config.get("use_sliding_window"):
+        raise UserError("config.json: sliding-window attention is not supported")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise UserError(f"config.json: rope_parameters is {rope!r}, not an object")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "yarn"):
+        raise UserError(f"rope type {rope_type} is not supported: only default RoPE and YaRN")
+    yarn = {key: value for key, value in rope.items() if key not in ("rope_type", "type")}
+    if rope_type == "yarn" and not all(type(v) in (int, float, bool) for v in yarn.values()):
+        raise UserError(f"config.json: YaRN parameters {yarn} are not all numbers")
+    given = {**config, "rope_theta": rope.get("rope_theta", config.get("rope_theta"))}
+    given["num_experts"] = config.get("num_local_experts", config.get("num_experts"))
+    for spec in dataclasses.fields(ModelArgs):
+        value = given.get(spec.name)
+        if value is None:
+            continue
+        kinds = CONFIG_TYPES[spec.type]
+        if type(value) not in kinds or (type(value) is int and value < 0):
+            raise UserError(f"config.json: {spec.name} is {value!r}, not a valid value")
+    missing = [name for name in REQUIRED if given.get(name) is None]
+    if missing:
+        raise UserError(f"config.json: {missing[0]} is missing; download or convert it again")
+    for name in [*REQUIRED, "rope_theta"]:
+        if given.get(name) is not None and given[name] <= 0:
+            raise UserError(f"config.json: {name} is {given[name]!r}; it must be above 0")
+    return ModelArgs.from_config(config)
+
+
+def eos_ids(config: dict, file: str) -> set[int]:
+    """The end-of-sequence tokens of a config.json or generation_config.json: one id, or a
+    list."""
+    eos = config.get("eos_token_id", [])
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(type(i) is int and i >= 0 for i in ids):
+        raise UserError(f"{file}: eos_token_id {eos!r} is not token ids")
+    return set(ids)
+
+
+def converted_config(path) -> dict:
+    """The config.json of a directory that this converter wrote, refused if it isn't one."""
+    config = pathlib.Path(path, "config.json")
+    if not config.is_file():
+        raise UserError(f"{path}: no converted checkpoint; convert_hf_checkpoint.py writes one")
+    config = read_json(config)
+    if "quantization" not in config:  # every config.json our converter writes has it
+        raise UserError(f"{path} is a Hugging Face snapshot: convert it first "
+                        f"(python convert_hf_checkpoint.py --checkpoint-dir {path})")
+    return config
+
+
+def checkpoint_tensors(model: Transformer) -> dict[str, torch.Tensor]:
+    """What a converted checkpoint holds: the model's state, but a tied lm_head (the
+    embedding)."""
+    state = model.state_dict()
+    if model.args.tie_word_embeddings:
+        del state["lm_head.weight"]
+    return state
+
+
+def read_tokenizer(path):
+    """The checkpoint's tokenizer.json, as the tokenizers library reads it."""
+    import tokenizers
+    file = pathlib.Path(path, "tokenizer.json")
+    try:
+        return tokenizers.Tokenizer.from_file(str(file))
+    except Exception as e:  # the tokenizers library's own error type
+        raise UserError(f"{file}: no readable tokenizer ({e})") from None
+
 
 # Our fused tensors, and the Hugging Face tensors they concatenate
 FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -43,42 +200,35 @@ def hf_names(name: str, experts: int) -> list[str]:
     k, v; gate, up; and with `experts` (a MoE layer's stacked tensors), every expert's in turn."""
     if name == "lm_head.weight":
         return [name]
-    # "layers.0.self_attn.qkv_proj.weight" -> "model.layers.0.self_attn", "qkv_proj", "weight"
-    module, projection, leaf = f"model.{name}".rsplit(".", 2)
-    owners = [module]
-    if experts:
-        owners = [f"{module}.experts.{expert}" for expert in range(experts)]
+    if experts:  # "layers.0.mlp.experts.down_proj" -> "model.layers.0.mlp.experts.{e}.down_proj"
+        module, projection = f"model.{name}".rsplit(".", 1)
+        owners = [f"{module}.{expert}" for expert in range(experts)]
+        leaf = "weight"
+    else:  # "layers.0.self_attn.qkv_proj.weight" -> "model.layers.0.self_attn", "qkv_proj", ...
+        module, projection, leaf = f"model.{name}".rsplit(".", 2)
+        owners = [module]
     parts = FUSED.get(projection, [projection])
     return [f"{owner}.{part}.{leaf}" for owner in owners for part in parts]
 
 
-def read_tensor(file: str, name: str) -> torch.Tensor:
-    try:
-        # Opened per tensor: only this tensor's pages are ever mapped
-        with safe_open(file, "pt") as tensors:
-            return tensors.get_tensor(name)
-    except Exception as e:  # safetensors' own error type
-        raise UserError(f"{file}: cannot read tensor {name} ({e}): download it again") from None
-
-
-def snapshot_args(src: pathlib.Path, int8: bool) -> ModelArgs:
-    """The model of a Hugging Face snapshot, refused where it isn't one we convert."""
+def snapshot_args(src: pathlib.Path) -> tuple[ModelArgs, dict]:
+    """The model of a Hugging Face snapshot, refused where it isn't one we convert, and our
+    config.json for it."""
     if not (src / "config.json").is_file():
         raise UserError(f"{src}: no config.json; is it a Hugging Face Qwen3 snapshot?")
-    generate.Tokenizer(src)  # refused now if missing or broken, not when generating
+    read_tokenizer(src)  # refused now if missing or broken, not when generating
     if (src / "generation_config.json").is_file():  # likewise
-        generation_config = read_json(src / "generation_config.json")
-        generate.SamplingParams.from_generation_config(generation_config)
-        generate.eos_ids(generation_config)
-    cfg = read_json(src / "config.json")
-    if "quantization_config" in cfg:
+        generation_config = src / "generation_config.json"
+        eos_ids(read_json(generation_config), generation_config)
+    config = read_json(src / "config.json")
+    if "quantization_config" in config:
         raise UserError(f"{src}: quantized snapshots are not supported: use the bf16 one")
-    if "quantization" in cfg:
+    if "quantization" in config:
         raise UserError(f"{src}: already converted; convert its Hugging Face snapshot")
-    args = ModelArgs.from_config(cfg)
-    if int8:
-        args.quantization = "int8"
-    return args
+    args = model_args(config)
+    eos = sorted(eos_ids(config, "config.json"))
+    ours = dict(dataclasses.asdict(args), eos_token_id=eos, quantization=None)
+    return args, ours
 
 
 def joined(src: pathlib.Path, name: str, parts: list[str], files: dict, meta) -> torch.Tensor:
@@ -107,15 +257,19 @@ def joined(src: pathlib.Path, name: str, parts: list[str], files: dict, meta) ->
 
 def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) -> None:
     src = pathlib.Path(src)
-    out = pathlib.Path(os.path.abspath(out))  # "." has no name to put beside it
-    args = snapshot_args(src, int8)
-    if out.exists():  # the source, ".", an old conversion, an empty directory...
-        raise UserError(f"{out} exists: choose another --output (nothing is replaced)")
+    args, config = snapshot_args(src)
     with torch.device("meta"):
-        expected = Transformer(args).checkpoint_tensors()
+        model = Transformer(args)
+    expected = checkpoint_tensors(model)
+    if int8:
+        quantize = int8_module()
+        with torch.device("meta"):
+            quantize.swap_in_int8(model)
+        expected = checkpoint_tensors(model)
+        config["quantization"] = "int8"
     sources = {}  # our tensor -> its Hugging Face parts; int8 scales come from the weights
     for name, meta in expected.items():
-        if not name.endswith(".scale"):
+        if not name.endswith("_scale"):
             experts = meta.shape[0] if meta.dim() == 3 else 0
             sources[name] = hf_names(name, experts)
     files = list_tensors(src, "*.safetensors")
@@ -124,6 +278,35 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
     if unknown:
         first = min(unknown)
         raise UserError(f"{files[first]}: tensor {first} has no place in a Qwen3 model")
+
+    def tensors():
+        for name, parts in sources.items():
+            weight = joined(src, name, parts, files, expected[name])
+            if int8:
+                yield from quantize.quantized(name, weight, expected).items()
+            else:
+                yield name, weight
+    write_checkpoint(out, tensors(), len(expected), config, src, shard_bytes)
+
+
+def int8_module():
+    """quantize.py, which int8 conversion needs."""
+    try:
+        import quantize
+    except ImportError:
+        raise UserError("int8 needs quantize.py beside this file") from None
+    return quantize
+
+
+def write_checkpoint(out: str, tensors, count: int, config: dict, src: pathlib.Path,
+                     shard_bytes: int = 2 << 30) -> None:
+    """Writes a converted checkpoint into the new directory `out`: tensors, an iterator of `count`
+    (name, tensor) pairs, in shards of about shard_bytes; config.json;
+    the tokenizer files copied from `src`. Written beside it and renamed when complete: nothing
+    that exists is replaced, and an error or a signal leaves nothing behind."""
+    out = pathlib.Path(os.path.abspath(out))  # "." has no name to put beside it
+    if out.exists():  # the source, ".", an old conversion, an empty directory...
+        raise UserError(f"{out} exists: choose another --output (nothing is replaced)")
     remove_leftovers(out)
     tmp = out.with_name(f".converting-{out.name}-{os.getpid()}")  # beside it, hidden
     # Read by setting it: the shards get 0666 less it, as the snapshot's files
@@ -135,21 +318,18 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
         shard = {}
-        for i, (name, parts) in enumerate(sources.items()):
-            weight = joined(src, name, parts, files, expected[name])
-            scale_name = name.removesuffix(".weight") + ".scale"
-            if scale_name in expected:
-                weight, shard[scale_name] = quantize_int8(weight)
-            shard[name] = weight.contiguous()
-            full = sum(t.nbytes for t in shard.values()) >= shard_bytes
-            if full or i == len(sources) - 1:
-                # Named by the index of its last tensor: in order, as the loader reads them
-                file = tmp / f"model-{i:05d}.safetensors"
+        done = 0
+        for name, tensor in tensors:
+            shard[name] = tensor.contiguous()
+            done += 1
+            if sum(t.nbytes for t in shard.values()) >= shard_bytes or done == count:
+                # Named by the count of tensors written: in order, as the loader reads them
+                file = tmp / f"model-{done:05d}.safetensors"
                 save_file(shard, file)
                 file.chmod(0o666 & ~umask)  # save_file makes it private
                 shard = {}
-            show_progress(f"converting {src}", i + 1, len(sources))
-        (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
+            show_progress(f"writing {out}", done, count)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
         for name in COPIED:
             if (src / name).is_file():
                 shutil.copy(src / name, tmp)
@@ -189,20 +369,36 @@ def running(pid: str) -> bool:
     return True
 
 
+def stop_on_signals() -> None:
+    """SIGTERM and SIGHUP (`timeout`, a closed terminal, a job scheduler) stop the process as
+    Ctrl-C does, through the same clean-up."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGHUP, signal.default_int_handler)
+
+
+def exit_on(error: Exception):
+    """Exits with one line for a user's error (a bad input, a file, a full disk); quietly on a
+    stdout closed early (`| head`), as Unix tools do. Anything else is a bug: raised again."""
+    if not isinstance(error, (UserError, OSError, SafetensorError)):
+        raise error
+    # Nothing more to stdout: a full or closed one fails again at exit's flush
+    sys.stdout = open(os.devnull, "w")  # open until the exit
+    if isinstance(error, BrokenPipeError):
+        sys.exit(141)
+    sys.exit(f"error: {error}")
+
+
 def main(argv=None):
-    parser = generate.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint-dir", required=True,
                         help="a Hugging Face Qwen3 snapshot (config.json + *.safetensors)")
     parser.add_argument("--output", help="where to write (default: CHECKPOINT_DIR/converted, "
                         "or converted-int8)")
     parser.add_argument("--int8", action="store_true",
-                        help="int8 weight-only (the blocks, an untied lm_head)")
-    parser.add_argument("--shard-size-mb", type=generate.POSITIVE, default=2048,
+                        help="int8 weight-only (the blocks, an untied lm_head): quantize.py")
+    parser.add_argument("--shard-size-mb", type=positive, default=2048,
                         help="size of each output file")
-    # SIGTERM and SIGHUP (`timeout`, a closed terminal, a job scheduler) stop it as Ctrl-C does,
-    # through the clean-up of convert
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    signal.signal(signal.SIGHUP, signal.default_int_handler)
+    stop_on_signals()
     try:
         args = parser.parse_args(argv)
         name = "converted-int8" if args.int8 else "converted"
@@ -212,9 +408,8 @@ def main(argv=None):
     except KeyboardInterrupt:
         print("interrupted: nothing was written", file=sys.stderr)
         sys.exit(130)
-    # A full disk: either error while the output is written, which is then gone; or a full stdout
-    except (UserError, OSError, SafetensorError) as e:
-        generate.exit_with(e)
+    except Exception as e:
+        exit_on(e)
 
 
 if __name__ == "__main__":

@@ -6,54 +6,39 @@
 """
 import argparse
 import dataclasses
-import functools
-import json
 import math
 import os
 import pathlib
 import re
-import signal
 import sys
 import time
 from dataclasses import dataclass
 
 try:
     import torch
+    from safetensors import safe_open
 
-    from model import Transformer, UserError, read_json
-    # The optional Triton fast path: without it, or Triton, PyTorch's ops run everywhere
+    from convert_hf_checkpoint import (UserError, ArgumentParser, converted_config, eos_ids,
+                                       exit_on, checkpoint_tensors, list_tensors, model_args,
+                                       positive, read_json, read_tokenizer, show_progress,
+                                       stop_on_signals)
+    from model import Transformer
+    # Optional files: int8 checkpoints, the Triton fast path (without it, or Triton, PyTorch's ops
+    # run everywhere), tensor parallelism under torchrun
+    try:
+        import quantize
+    except ImportError:
+        quantize = None
     try:
         import qwen3_triton
     except ImportError:
         qwen3_triton = None
-    try:  # optional: tensor parallelism under torchrun
+    try:
         import tp
     except ImportError:
         tp = None
 except KeyboardInterrupt:  # Ctrl-C while torch loads: nothing to clean up, nothing to say
     sys.exit(130)
-
-
-def checked(kind, requirement: str, valid):
-    """An argparse type: the text as `kind`, refused unless valid(value)."""
-    def parse(text: str):
-        value = kind(text)
-        if not valid(value):  # nan fails every comparison
-            raise argparse.ArgumentTypeError(f"must be {requirement}, not {text}")
-        return value
-    parse.__name__ = kind.__name__  # argparse names it when the text isn't a number at all
-    return parse
-
-
-POSITIVE = checked(int, "at least 1", lambda value: value >= 1)
-# Each sampling setting's check, the same for a flag and for generation_config.json. Below 0.001,
-# logits / temperature overflows fp32 (and would be greedy anyway): 0 is greedy.
-SAMPLING_CHECKS = {
-    "temperature": checked(float, "0 (greedy) or at least 0.001",
-                           lambda value: value == 0 or 1e-3 <= value < math.inf),
-    "top_k": checked(int, ">= 0", lambda value: value >= 0),
-    "top_p": checked(float, "in (0, 1]", lambda value: 0 < value <= 1),
-}
 
 
 @dataclass
@@ -63,12 +48,17 @@ class SamplingParams:
     top_p: float = 1.0  # 1 keeps every token
 
     def __post_init__(self):
-        for name, check in SAMPLING_CHECKS.items():  # the flags' checks
-            value = getattr(self, name)
-            try:  # as JSON text, a flag's check refuses strings, booleans and lists too
-                check(json.dumps(value))
-            except (ValueError, argparse.ArgumentTypeError) as e:
-                raise UserError(f"{name} {value!r}: {e}") from None
+        kinds = {"temperature": (int, float), "top_k": (int,), "top_p": (int, float)}
+        for name, kind in kinds.items():  # a bool is no number here
+            if type(getattr(self, name)) not in kind:
+                raise UserError(f"{name} {getattr(self, name)!r} is not a number")
+        # Below 0.001, logits / temperature overflows fp32 (and would be greedy anyway)
+        if not (self.temperature == 0 or 1e-3 <= self.temperature < math.inf):
+            raise UserError(f"temperature {self.temperature!r}: give 0 (greedy) or at least 0.001")
+        if self.top_k < 0:
+            raise UserError(f"top_k {self.top_k!r}: give 0 (every token) or more")
+        if not 0 < self.top_p <= 1:  # nan fails every comparison
+            raise UserError(f"top_p {self.top_p!r}: give a number in (0, 1]")
 
     @classmethod
     def from_generation_config(cls, generation_config: dict) -> "SamplingParams":
@@ -77,7 +67,8 @@ class SamplingParams:
         do_sample = generation_config.get("do_sample", True)
         if type(do_sample) is not bool:
             raise UserError(f"generation_config.json: do_sample {do_sample!r} is not true or false")
-        given = [name for name in SAMPLING_CHECKS if generation_config.get(name) is not None]
+        names = [spec.name for spec in dataclasses.fields(cls)]
+        given = [name for name in names if generation_config.get(name) is not None]
         settings = {name: generation_config[name] for name in given if do_sample}
         try:
             return cls(**settings)
@@ -124,17 +115,6 @@ def top_candidates(scores: torch.Tensor, count: int) -> tuple[torch.Tensor, torc
     return scores.gather(-1, top), top
 
 
-def sampler(params: SamplingParams, use_kernels: bool, vocab: int):
-    """The draw of next ids (R,) from logits (R, V): the fast path's kernel where it takes the
-    filter (a top-k of at most qwen3_triton.MAX_TOP_K: the same tokens from the same noise, to the
-    rounding of the top-p cut and of the noise's logarithms), else sample."""
-    filtered = use_kernels and params.temperature > 0 and 0 < params.top_k < vocab
-    if filtered and params.top_k <= qwen3_triton.MAX_TOP_K:
-        return functools.partial(qwen3_triton.sample_top_k, temperature=params.temperature,
-                                 top_k=params.top_k, top_p=params.top_p)
-    return functools.partial(sample, params=params)
-
-
 class DecodeState:
     """Every tensor a prefill or decode step reads or writes besides the model's: fixed addresses,
     updated in place."""
@@ -149,31 +129,6 @@ class DecodeState:
         # A prefill's positions, (R, T) at the start of this buffer: a graph captured for one
         # shape reads them at the one address it recorded, whatever position the prompts start at
         self.prompt_positions = torch.zeros(batch, capacity, dtype=torch.long, device=device)
-
-
-def prefill_prompts(model: Transformer, draw, state: DecodeState, positions: torch.Tensor,
-                    kv_positions: torch.Tensor | None) -> None:
-    """The prompts in state.sequences at `positions` (R, T), padded after their ends, into cache
-    rows 0 ... R - 1; each row's first token drawn from the logits at its last prompt token (just
-    before state.positions) into state.tokens and the row's sequence. kv_positions: None for
-    prompts from position 0; else the prefix of the cache that prompts continuing their rows'
-    cached tokens attend to. Device-side only, as decode_one_token."""
-    count = positions.shape[0]
-    tokens = state.sequences[:count].gather(1, positions)  # (R, T)
-    # (R, 1): the last prompt token's index
-    last = state.positions[:count] - positions[:, :1] - 1
-    logits = model(tokens, positions, kv_positions, logits_at=last)
-    state.tokens[:count, 0] = draw(logits[:, -1])
-    state.sequences.scatter_(1, state.positions, state.tokens)
-
-
-def decode_one_token(forward, draw, state: DecodeState, kv_positions: torch.Tensor) -> None:
-    """One step for every row, device-side only: the eager, compiled and graphed modes all run this.
-    forward: the model, or the fast path's one-token forward; draw: logits (R, V) -> ids (R,)."""
-    logits = forward(state.tokens, state.positions, kv_positions)
-    state.tokens.copy_(draw(logits[:, -1])[:, None])
-    state.positions.add_(1)
-    state.sequences.scatter_(1, state.positions, state.tokens)
 
 
 def bucket(length: int, capacity: int) -> int:
@@ -196,7 +151,7 @@ class CUDAGraphs:
     initialisation and Triton's compilation happen, outside any capture), then captures it. Capture
     records kernels without running them, so it changes no tensor: the state the warm-up advanced is
     the one every later call, a replay, starts from. fn must read and write static tensors only
-    (DecodeState, the caches), as prefill_prompts and decode_one_token do."""
+    (DecodeState, the caches), as the Generator's prefill_prompts and decode_one_token do."""
 
     def __init__(self, fn):
         self.fn = fn
@@ -236,9 +191,10 @@ def stop_index(tokens: list[int], stop_ids: set) -> int | None:
 class Generator:
     """Prefill and the decode loop for up to `batch` prompts at once, in a cache of `capacity`
     positions. use_kernels: whether the Triton fast path runs (the one-token forward at batch 1, the
-    top-k draw); by default, wherever it can (CUDA, with qwen3_triton.py and Triton). The prefill
-    and decode steps run eagerly; or with compile, under torch.compile (reduce-overhead: inductor's
-    code in its CUDA graphs); or with cuda_graph, as our CUDA graphs."""
+    top-k draw); by default, wherever it can (CUDA, with qwen3_triton.py and Triton). The two steps,
+    prefill_prompts and decode_one_token, run eagerly; or with compile, under torch.compile
+    (reduce-overhead: inductor's code in its CUDA graphs); or with cuda_graph, as our CUDA
+    graphs."""
 
     def __init__(self, model: Transformer, *, batch: int, capacity: int, sampling: SamplingParams,
                  use_kernels: bool | None = None, compile: bool = False, cuda_graph: bool = False):
@@ -253,47 +209,92 @@ class Generator:
             use_kernels = qwen3_triton is not None and device.type == "cuda"
         if use_kernels and qwen3_triton is None:
             raise UserError("use_kernels needs qwen3_triton.py and Triton")
+        most = model.args.max_position_embeddings
+        if capacity > most:
+            raise UserError(f"a cache of {capacity} positions is over the model's {most}: "
+                            "ask for fewer positions")
         model.setup_cache(batch, capacity)
         self.model = model
         self.batch = batch
         self.capacity = capacity
+        self.sampling = sampling
         self.state = DecodeState(batch, capacity, device)
-        self.compiled = compile
-        self.graphed = cuda_graph
+        # The fast path's products take one token; its draw, a top-k of at most MAX_TOP_K
+        self.one_token_kernels = use_kernels and batch == 1
+        top_k = sampling.top_k
+        vocab = model.args.vocab_size
+        self.top_k_kernel = use_kernels and sampling.temperature > 0 and 0 < top_k < vocab
+        self.top_k_kernel = self.top_k_kernel and top_k <= qwen3_triton.MAX_TOP_K
+        self.compiled, self.graphed = compile, cuda_graph
         # Prompts padded to a few lengths, a graph each
         self.bucketed = compile or cuda_graph
-        if compile:
-            # torch._dynamo is imported here alone: it takes seconds
-            for tensor in vars(self.state).values():  # cudagraph trees: inputs, not copies
-                torch._dynamo.mark_static_address(tensor)
-            # Inductor's own random numbers differ from eager's: this makes it call eager's, so that
-            # one seed gives one stream of noise in every mode (process-wide; torch has no narrower
-            # one).
-            torch._inductor.config.fallback_random = True
-        forward = model
-        if use_kernels and batch == 1:  # the fast path's products take one token
-            forward = functools.partial(qwen3_triton.forward_one_token, model)
-        draw = sampler(sampling, use_kernels, model.args.vocab_size)
-        self.step = self.in_mode(functools.partial(decode_one_token, forward, draw, self.state))
-        prefill = functools.partial(prefill_prompts, model, draw, self.state)
-        self.prefill_step = self.in_mode(prefill)
+        self.decode_step = self.in_mode(self.decode_one_token)
+        self.prefill_step = self.in_mode(self.prefill_prompts)
 
     def in_mode(self, step):
         """A step as the Generator runs it: eagerly, compiled, or as our CUDA graphs."""
-        if self.compiled:
-            return torch.compile(step, mode="reduce-overhead", fullgraph=True)
         if self.graphed:
             return CUDAGraphs(step)
-        return step
+        if not self.compiled:
+            return step
+        # torch._dynamo is imported here alone: it takes seconds
+        for tensor in vars(self.state).values():  # cudagraph trees: inputs, not copies
+            torch._dynamo.mark_static_address(tensor)
+        # Inductor's own random numbers differ from eager's: this makes it call eager's, so that
+        # one seed gives one stream of noise in every mode. torch offers it only process-wide.
+        torch._inductor.config.fallback_random = True
+        return torch.compile(step, mode="reduce-overhead", fullgraph=True)
+
+    def draw(self, logits: torch.Tensor) -> torch.Tensor:
+        """Next ids (R,) from logits (R, V): the fast path's kernel where it takes the filter (the
+        same tokens from the same noise, to the rounding of the top-p cut and of the noise's
+        logarithms), else sample."""
+        params = self.sampling
+        if self.top_k_kernel:
+            return qwen3_triton.sample_top_k(logits, params.temperature, params.top_k,
+                                             params.top_p)
+        return sample(logits, params)
+
+    def prefill_prompts(self, positions: torch.Tensor, kv_positions: torch.Tensor | None) -> None:
+        """The prompts in state.sequences at `positions` (R, T), padded after their ends, into cache
+        rows 0 ... R - 1; each row's first token drawn from the logits at its last prompt token
+        (just before state.positions) into state.tokens and the row's sequence. kv_positions: None
+        for prompts from position 0; else the prefix of the cache that prompts continuing their
+        rows' cached tokens attend to. Device-side only, as decode_one_token."""
+        state = self.state
+        count = positions.shape[0]
+        tokens = state.sequences[:count].gather(1, positions)  # (R, T)
+        # (R, 1): the last prompt token's index
+        last = state.positions[:count] - positions[:, :1] - 1
+        if kv_positions is None:  # from position 0: causal among themselves
+            logits = self.model(tokens, logits_at=last)
+        else:
+            logits = self.model(tokens, positions, kv_positions.shape[0], logits_at=last)
+        state.tokens[:count, 0] = self.draw(logits[:, -1])
+        state.sequences.scatter_(1, state.positions, state.tokens)
+
+    def decode_one_token(self, kv_positions: torch.Tensor) -> None:
+        """One step for every row, device-side only: the eager, compiled and graphed modes all run
+        this. kv_positions: the attended prefix of the cache (its length alone is read)."""
+        state = self.state
+        kv_len = kv_positions.shape[0]
+        if self.one_token_kernels:
+            logits = qwen3_triton.forward_one_token(self.model, state.tokens, state.positions,
+                                                    kv_len)
+        else:
+            logits = self.model(state.tokens, state.positions, kv_len)
+        state.tokens.copy_(self.draw(logits[:, -1])[:, None])
+        state.positions.add_(1)
+        state.sequences.scatter_(1, state.positions, state.tokens)
 
     def attended(self, needed: int) -> torch.Tensor:
         """The prefix of the cache's positions that a step attends to, when every position written
-        so far is below `needed`: its bucket."""
+        so far is below `needed`: its bucket. A tensor, whose length a compiled step reads as one
+        dynamic size (one compilation for every length) and our graphs as their key."""
         kv_positions = self.model.key_positions[:bucket(needed, self.capacity)]
-        if self.compiled:  # compiled once for every attended length
+        if self.compiled:
             torch._dynamo.maybe_mark_dynamic(kv_positions, 0)
         return kv_positions
-
     def prefill(self, prompts: list[list[int]], start: int = 0) -> None:
         """Every prompt into its cache row at positions start ... in one forward, padded to the
         longest (to its bucket when compiled or graphed); each row's first token drawn from its
@@ -360,7 +361,7 @@ class Generator:
             # check_every steps
             steps = 1 if produced == 1 else min(check_every, max_new - produced)
             for _ in range(steps):
-                self.step(self.attended(longest + produced))
+                self.decode_step(self.attended(longest + produced))
                 produced += 1
         times += times[-1:] * 2  # no first or later steps: they took no time
         stats = GenerationStats(prefill_s=times[1] - times[0], first_step_s=times[2] - times[1],
@@ -388,12 +389,7 @@ class Tokenizer:
     chat_template.jinja, or tokenizer_config.json's chat_template."""
 
     def __init__(self, path: str):
-        import tokenizers
-        file = pathlib.Path(path, "tokenizer.json")
-        try:
-            self.tokenizer = tokenizers.Tokenizer.from_file(str(file))
-        except Exception as e:  # the tokenizers library's own error type
-            raise UserError(f"{file}: no readable tokenizer ({e})") from None
+        self.tokenizer = read_tokenizer(path)
         config_file = pathlib.Path(path, "tokenizer_config.json")
         config = read_json(config_file) if config_file.is_file() else {}
         self.chat_template = config.get("chat_template")
@@ -440,18 +436,13 @@ class Checkpoint:
     stop_ids: set[int]
 
 
-def eos_ids(generation_config: dict) -> set[int]:
-    """generation_config.json's end-of-sequence tokens: one id, or a list of ids."""
-    eos = generation_config.get("eos_token_id", [])
-    ids = eos if isinstance(eos, list) else [eos]
-    if not all(type(i) is int and i >= 0 for i in ids):
-        raise UserError(f"generation_config.json: eos_token_id {eos!r} is not token ids")
-    return set(ids)
-
-
-def load(path: str, device="cpu", dtype: torch.dtype | None = None, split=None) -> Checkpoint:
-    """A converted checkpoint on `device`, in `dtype` (default: bf16 on CUDA, fp32 on the CPU);
-    with `split` (tp.py's TensorParallel), this rank's share of the model."""
+def load_model(path: str, device="cpu", dtype: torch.dtype | None = None,
+               split=None) -> Transformer:
+    """The model of a converted checkpoint, on `device` in `dtype` (default: bf16 on CUDA, fp32 on
+    the CPU), read straight there: a tensor at a time from its file, no second copy in host or
+    device memory. An int8 checkpoint gets quantize.py's modules first. split (tp.py's
+    TensorParallel): this rank's share alone, at its shapes (split.rank_args), each tensor's slice
+    read (split.read), the all-reduces added (split.apply)."""
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError("device cuda: there is no CUDA device here; use device='cpu'")
@@ -459,12 +450,59 @@ def load(path: str, device="cpu", dtype: torch.dtype | None = None, split=None) 
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if not isinstance(dtype, torch.dtype):
         raise UserError(f"dtype {dtype!r} is not a torch.dtype: use torch.bfloat16, ...")
-    model = Transformer.from_checkpoint(path, device, dtype, split)
+    config = converted_config(path)
+    quantization = config["quantization"]
+    if quantization not in (None, "int8"):
+        raise UserError(f"config.json: quantization {quantization!r} is not supported")
+    if quantization and quantize is None:
+        raise UserError(f"{path} is {quantization}: loading it needs quantize.py")
+    args = model_args(config)
+    if split is not None:
+        args = split.rank_args(args)
+    with torch.device("meta"):
+        model = Transformer(args)
+        if quantization:
+            quantize.swap_in_int8(model)
+    expected = {name: t.shape for name, t in checkpoint_tensors(model).items()}
+    tensors = list_tensors(path, "model*.safetensors")  # name -> its file
+    state = {}
+    for file in sorted(set(tensors.values())):
+        # A file at a time: its pages are mapped until its last tensor is read
+        with safe_open(file, "pt", device=str(device)) as opened:
+            for name in opened.keys():
+                if split is None:
+                    tensor = opened.get_tensor(name)
+                else:  # this rank's slice of it alone is read
+                    tensor = split.read(name, opened.get_slice(name)).to(device)
+                if tensor.dtype != torch.int8:
+                    tensor = tensor.to(dtype)
+                state[name] = tensor
+                show_progress(f"loading {path}", len(state), len(tensors))
+    found = {name: t.shape for name, t in state.items()}
+    mismatched = sorted(n for n in expected.keys() | found.keys()
+                        if expected.get(n) != found.get(n))
+    if mismatched:
+        raise UserError(f"{path}: weights do not match config.json ({mismatched[0]}); "
+                        "convert again")
+    # The loaded tensors themselves, no copy; every one is checked above. A tied lm_head is not
+    # among them: it is the embedding again.
+    model.load_state_dict(state, strict=False, assign=True)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    if split is not None:
+        split.apply(model)
+    return model.eval().requires_grad_(False)
+
+
+def load(path: str, device="cpu", dtype: torch.dtype | None = None, split=None) -> Checkpoint:
+    """A converted checkpoint: its model (load_model), tokenizer, sampling defaults and stop
+    tokens."""
+    model = load_model(path, device, dtype, split)
     tokenizer = Tokenizer(path)
     file = pathlib.Path(path, "generation_config.json")
     generation_config = read_json(file) if file.is_file() else {}
     sampling = SamplingParams.from_generation_config(generation_config)
-    stop_ids = eos_ids(generation_config) | set(model.args.eos_token_id)
+    stop_ids = eos_ids(generation_config, file) | eos_ids(converted_config(path), "config.json")
     return Checkpoint(model=model, tokenizer=tokenizer, sampling=sampling, stop_ids=stop_ids)
 
 
@@ -523,11 +561,6 @@ def counted(number: int, noun: str) -> str:
     return f"{number} {noun}{plural}"
 
 
-class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message):  # one line, as for every other bad input
-        raise UserError(message)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", default="checkpoints/Qwen/Qwen3-0.6B/converted",
@@ -544,13 +577,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-think", action="store_true",
                         help="with --chat: answer without a thinking block")
     # Sampling: the checkpoint's generation_config.json by default, else greedy
-    parser.add_argument("--temperature", type=SAMPLING_CHECKS["temperature"], help="0 is greedy")
-    parser.add_argument("--top-k", type=SAMPLING_CHECKS["top_k"], help="0 keeps every token")
-    parser.add_argument("--top-p", type=SAMPLING_CHECKS["top_p"], help="1 keeps every token")
-    seed = checked(int, "in [0, 2^64)", lambda value: 0 <= value < 1 << 64)
-    parser.add_argument("--seed", type=seed,
+    parser.add_argument("--temperature", type=float, help="0 is greedy")
+    parser.add_argument("--top-k", type=int, help="0 keeps every token")
+    parser.add_argument("--top-p", type=float, help="1 keeps every token")
+    parser.add_argument("--seed", type=int,
                         help="the same seed gives the same text (in fp32, in every mode)")
-    parser.add_argument("--max-new-tokens", type=POSITIVE, default=200)
+    parser.add_argument("--max-new-tokens", type=positive, default=200)
     parser.add_argument("--stop-ids", type=int, nargs="*", default=[],
                         help="stop tokens besides the model's eos")
     modes = parser.add_mutually_exclusive_group()
@@ -558,11 +590,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                        help="torch.compile the prefill and decode steps")
     modes.add_argument("--cuda-graph", action="store_true",
                        help="replay the prefill and decode steps as our CUDA graphs")
-    parser.add_argument("--check-every", type=POSITIVE, default=16,
+    parser.add_argument("--check-every", type=positive, default=16,
                         help="decode steps between stop checks")
-    parser.add_argument("--cache-len", type=POSITIVE,
+    parser.add_argument("--cache-len", type=positive,
                         help="KV cache positions (default: prompt + max new tokens)")
     args = parser.parse_args(argv)
+    names = [spec.name for spec in dataclasses.fields(SamplingParams)]
+    given = [name for name in names if getattr(args, name) is not None]
+    # The flags that replace the checkpoint's sampling defaults, checked now, before loading
+    args.sampling = {name: getattr(args, name) for name in given}
+    SamplingParams(**args.sampling)
+    if args.seed is not None and not 0 <= args.seed < 1 << 64:
+        raise UserError(f"--seed {args.seed}: give a number in [0, 2^64)")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         raise UserError(f"unknown device {args.device!r}: use cpu, cuda or cuda:N")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -576,25 +615,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None):
-    # SIGTERM and SIGHUP (`timeout`, a closed terminal, a job scheduler) stop it as Ctrl-C does
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    signal.signal(signal.SIGHUP, signal.default_int_handler)
+    stop_on_signals()
     try:
         run(parse_args(argv))
     except KeyboardInterrupt:  # what was generated is printed already
         sys.exit(130)
-    except (UserError, OSError) as e:  # OSError: a file, or stdout closed early or full
-        exit_with(e)
-
-
-def exit_with(error: Exception):
-    """Exits with one line for `error`; quietly on a stdout closed early (`| head`), as Unix tools
-    do."""
-    # Nothing more to stdout: a full or closed one fails again at exit's flush
-    sys.stdout = open(os.devnull, "w")  # open until the exit
-    if isinstance(error, BrokenPipeError):
-        sys.exit(141)
-    sys.exit(f"error: {error}")
+    except Exception as e:
+        # Under torchrun every rank reads the same flags and files: rank 0 alone says what is wrong
+        # with them. Anything else (a traceback) is printed by the rank where it happens.
+        if os.environ.get("RANK", "0") != "0" and isinstance(e, (UserError, OSError)):
+            sys.exit(1)
+        exit_on(e)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -610,9 +641,7 @@ def run(args: argparse.Namespace) -> None:
         print(f"loading {args.checkpoint} ...", file=sys.stderr, flush=True)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     checkpoint = load(args.checkpoint, split.device if split else args.device, dtype, split)
-    given = [name for name in SAMPLING_CHECKS if getattr(args, name) is not None]
-    flags = {name: getattr(args, name) for name in given}
-    sampling = dataclasses.replace(checkpoint.sampling, **flags)
+    sampling = dataclasses.replace(checkpoint.sampling, **args.sampling)
     tokenizer = checkpoint.tokenizer
     if args.chat:
         thinking = not args.no_think

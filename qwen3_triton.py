@@ -14,47 +14,65 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from model import Linear, MoE, Transformer
+from model import MoE, Transformer
 
 
 def forward_one_token(model: Transformer, tokens: Tensor, positions: Tensor,
-                      kv_positions: Tensor) -> Tensor:
-    """model(tokens, positions, kv_positions) for one token, tokens and positions (1, 1): logits (1,
-    1, vocab). Layer by layer: the qkv product with the norm before it, attention, o_proj with the
+                      kv_len: int) -> Tensor:
+    """model(tokens, positions, kv_len) for one token, tokens and positions (1, 1): logits (1, 1,
+    vocab). Layer by layer: the qkv product with the norm before it, attention, o_proj with the
     residual, gate-up with the norm, down with the gate and the residual (MoE: the router, then the
-    picked experts' gate-up and down)."""
+    picked experts' gate-up and down). Where tp.py split the model (model.tensor_parallel), o_proj
+    and down sum the ranks' shares."""
+    split = getattr(model, "tensor_parallel", None)
     x = model.embed_tokens(tokens)  # (1, 1, hidden)
     for layer in model.layers:
         attn = layer.self_attn
-        qkv = product(attn.qkv_proj, x, norm=layer.input_layernorm)
+        qkv = product(weights(attn.qkv_proj), x, norm=layer.input_layernorm)
         y = decode_attention(qkv, attn.kv_cache.k, attn.kv_cache.v, positions[:, 0], model.rope_cos,
                              model.rope_sin, attn.q_norm.weight, attn.k_norm.weight,
-                             attn.q_norm.eps, attn.n_heads, kv_positions.shape[0])
-        x = product(attn.o_proj, y.view(1, 1, -1), residual=x)
+                             attn.q_norm.eps, attn.n_heads, kv_len)
+        x = product(weights(attn.o_proj), y.view(1, 1, -1), residual=x, split=split)
         norm = layer.post_attention_layernorm
         mlp = layer.mlp
-        routing = {}  # a dense MLP's
         moe = isinstance(mlp, MoE)
         if moe:  # the router's logits (experts,) pick the experts in the kernels
-            router = product(mlp.gate, x, norm=norm).view(-1)
+            router = product(weights(mlp.gate), x, norm=norm).view(-1)
             routing = dict(router=router, top_k=mlp.top_k, norm_topk_prob=mlp.norm_topk_prob)
+            gate_up_proj, down_proj = expert_weights(mlp.experts)
+        else:
+            routing = {}
+            gate_up_proj, down_proj = weights(mlp.gate_up_proj), weights(mlp.down_proj)
         # (1, 1, 2 x inner); MoE: (top_k, 1, 2 x inner), an output per pick
-        gate_up = product(mlp.gate_up_proj, x, norm=norm, **routing)
-        x = product(mlp.down_proj, gate_up, gated=True, residual=x, routed=moe, **routing)
-    return product(model.lm_head, x, norm=model.norm)
+        gate_up = product(gate_up_proj, x, norm=norm, **routing)
+        x = product(down_proj, gate_up, gated=True, residual=x, routed=moe, split=split, **routing)
+    return product(weights(model.lm_head), x, norm=model.norm)
 
 
-def product(proj: Linear, x: Tensor, norm: torch.nn.RMSNorm | None = None,
-            residual: Tensor | None = None, **options) -> Tensor:
-    """proj(x) + residual as one gemv; with `norm`, of norm(x), normalised as x is read. Where tp.py
-    split proj's input over the ranks (proj.tensor_parallel), each rank's product is a share of the
-    sum: the residual is added on one rank alone, then an all-reduce sums the shares."""
+def weights(proj: torch.nn.Module) -> tuple[Tensor, Tensor | None]:
+    """A linear layer's weight (N, K) and its int8 scale (N,), None unless quantize.py's."""
+    return proj.weight, getattr(proj, "weight_scale", None)
+
+
+def expert_weights(experts: torch.nn.Module) -> list[tuple[Tensor, Tensor | None]]:
+    """model.Experts' gate_up_proj and down_proj, each with its int8 scales (experts, N) or
+    None."""
+    names = ("gate_up_proj", "down_proj")
+    return [(getattr(experts, name), getattr(experts, f"{name}_scale", None)) for name in names]
+
+
+def product(proj: tuple[Tensor, Tensor | None], x: Tensor, norm: torch.nn.RMSNorm | None = None,
+            residual: Tensor | None = None, split=None, **options) -> Tensor:
+    """x times proj, a weight and its int8 scale or None, plus residual, as one gemv; with `norm`,
+    of norm(x), normalised as x is read. With `split` (tp.py's: the product's input is split over
+    the ranks), each rank's product is a share of the sum: the residual is added on one rank
+    alone, then an all-reduce sums the shares."""
+    weight, scale = proj
     if norm is not None:
         options.update(norm=norm.weight, eps=norm.eps)
-    split = getattr(proj, "tensor_parallel", None)
     if split is None:
-        return gemv(x, proj.weight, scale=proj.scale, residual=residual, **options)
-    share = gemv(x, proj.weight, scale=proj.scale, residual=split.residual(residual), **options)
+        return gemv(x, weight, scale=scale, residual=residual, **options)
+    share = gemv(x, weight, scale=scale, residual=split.residual(residual), **options)
     return split.all_reduce(share)
 
 
@@ -230,7 +248,9 @@ def _norm_rope(x, rows, row_mask, weight, cos, sin, eps, HEAD_DIM: tl.constexpr,
     wd = tl.load(weight + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
     wp = tl.load(weight + partner, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xd * xd, axis=1) / HEAD_DIM + eps)[:, None]
-    rotated = xp * wp[None, :] * sin[None, :]  # the sin table carries rotate_half's signs
+    # rotate_half: the first half takes its partner negated
+    signs = tl.where(d < half, -1.0, 1.0)
+    rotated = xp * wp[None, :] * (sin * signs)[None, :]
     return (xd * wd[None, :] * cos[None, :] + rotated) * rstd
 
 
@@ -316,7 +336,7 @@ def decode_attention(qkv: Tensor, cache_k: Tensor, cache_v: Tensor, positions: T
     """One query per row: qkv (R, 1, (heads + 2 kv_heads) x head_dim), the fused product, at
     positions (R,) of cache rows 0 ... R - 1 of cache_k / cache_v (slots, kv_heads, capacity,
     head_dim), which get the new key and value there. cos / sin: the RoPE tables (positions,
-    head_dim), sin with rotate_half's signs (model.apply_rope); q_norm / k_norm: the RMSNorm
+    head_dim) of model.rope_tables; q_norm / k_norm: the RMSNorm
     weights. Attends to the keys at positions <= the query's, split into programs per (row, kv head)
     so that one row still fills the GPU; returns (R, heads, head_dim). kv_len bounds the positions
     (the attended length) and sets the number of splits: a 64-key block each until there are 32,

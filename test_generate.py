@@ -22,7 +22,10 @@ from safetensors.torch import load_file, save_file
 import convert_hf_checkpoint as convert
 import generate as G
 import model as M
-from model import Linear, ModelArgs, Transformer, UserError, quantize_int8
+import quantize as Q
+from convert_hf_checkpoint import UserError
+from model import ModelArgs
+from quantize import quantize_int8
 
 try:  # the Triton fast path: without Triton its tests run only where it is installed
     import qwen3_triton as fast
@@ -141,7 +144,7 @@ def tiny_moe(tmp_path_factory):
 
 
 def load(path, slots=1, capacity=256, dtype=torch.float32, device="cpu"):
-    model = Transformer.from_checkpoint(path, device, dtype)
+    model = G.load_model(path, device, dtype)
     model.setup_cache(slots, capacity)
     return model
 
@@ -151,29 +154,29 @@ def forward(model, tokens, start=0, use_kernels=False):
     use_kernels: one token through the fast path's forward_one_token instead (row 0)."""
     t = torch.tensor([tokens], device=model.norm.weight.device)
     pos = torch.arange(start, start + len(tokens), device=t.device)[None]
-    kv_positions = model.key_positions[:start + len(tokens)]
+    kv_len = start + len(tokens)
     with torch.no_grad():
         if use_kernels:
-            return fast.forward_one_token(model, t, pos, kv_positions)[0]
-        return model(t, pos, kv_positions)[0]
+            return fast.forward_one_token(model, t, pos, kv_len)[0]
+        return model(t, pos, kv_len)[0]
 
 
 def set_grouped_mm(model, grouped_mm):
     """Whether the model's MoE layers multiply by the picked experts alone (see
     model.expert_products)."""
     for module in model.modules():
-        if isinstance(module, M.MoE):
+        if isinstance(module, M.Experts):
             module.grouped_mm = grouped_mm
 
 
 def grouped_mm_of(model):
-    return {module.grouped_mm for module in model.modules() if isinstance(module, M.MoE)}
+    return {module.grouped_mm for module in model.modules() if isinstance(module, M.Experts)}
 
 
 def generator(path, batch=1, capacity=512, sampling=GREEDY, device="cpu", dtype=torch.float32,
               **flags):
     """A Generator; flags: use_kernels (default: wherever they can run), compile, cuda_graph."""
-    model = Transformer.from_checkpoint(path, device, dtype)
+    model = G.load_model(path, device, dtype)
     return G.Generator(model, batch=batch, capacity=capacity, sampling=sampling, **flags)
 
 
@@ -291,35 +294,36 @@ MOE_PARITY = {
 }
 
 
-@pytest.mark.parametrize("grouped_mm", [False, True], ids=["every-expert", "picked-experts"])
+@pytest.mark.parametrize("grouped_mm", [False, True], ids=["gathered-or-every", "grouped"])
 @pytest.mark.parametrize("name", MOE_PARITY)
 def test_moe_parity_with_transformers_fp32(tmp_path, name, grouped_mm):
-    """Both ways of multiplying by the experts: every expert on every token (fp32's, by default),
-    and each token's picked experts alone in one grouped product (bf16's; on the CPU it runs in fp32
-    too, eagerly)."""
+    """Every form of the expert products (model.expert_products): grouped (fp32 on the CPU runs
+    torch._grouped_mm eagerly, the default there); without it, a decode step's picked experts
+    gathered and a prefill's every expert on every token."""
     kw, sparse = MOE_PARITY[name]
     hf, path = converted(tmp_path, **kw)
     ours = load(path, capacity=128)
-    assert grouped_mm_of(ours) == {False}  # torch._grouped_mm compiles for bf16 alone
+    assert grouped_mm_of(ours) == {True}
     set_grouped_mm(ours, grouped_mm)
     assert [i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")] == sparse
     assert [i for i, layer in enumerate(ours.layers) if isinstance(layer.mlp, M.MoE)] == sparse
     assert_parity(hf, ours, steps=32)
 
 
-def test_grouped_expert_products_equal_every_expert_products():
+@pytest.mark.parametrize("count", [3, 11], ids=["fewer-rows-than-experts", "more"])
+def test_expert_products_every_form_gives_each_row_its_experts_product(count):
     """Rows sorted by expert, some experts with no rows (the first, a middle one, the last), some
-    with one: the grouped product gives each row its own expert's product, as every expert on every
-    row does."""
+    with one: grouped, gathered (no more rows than experts) and every expert on every row (more)
+    give each row its own expert's product, in fp32 and bf16."""
     torch.manual_seed(0)
-    experts = torch.tensor([1, 1, 1, 2, 4, 4, 5, 5, 5, 5, 6])  # of 8: 0, 3 and 7 have none
-    rows, weight = torch.randn(len(experts), 24), torch.randn(8, 40, 24)
+    experts = torch.tensor([1, 1, 1, 2, 4, 4, 5, 5, 5, 5, 6])[:count]  # of 8
+    rows, weight = torch.randn(count, 24), torch.randn(8, 40, 24)
     want = torch.stack([weight[e] @ r for r, e in zip(rows, experts, strict=True)])
     for grouped_mm in (False, True):
         assert torch.allclose(M.expert_products(rows, weight, experts, grouped_mm), want, atol=1e-5)
     rows, weight = rows.bfloat16(), weight.bfloat16()
-    grouped, every = (M.expert_products(rows, weight, experts, g) for g in (True, False))
-    assert torch.allclose(grouped.float(), every.float(), rtol=1e-2, atol=1e-2)
+    grouped, other = (M.expert_products(rows, weight, experts, g) for g in (True, False))
+    assert torch.allclose(grouped.float(), other.float(), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("yarn", [dict(factor=4.0),
@@ -342,6 +346,58 @@ def test_yarn_parity_with_transformers_fp32(tmp_path, yarn):
     assert not torch.allclose(ours.rope_cos, plain.rope_cos)  # YaRN really changed the rotation
 
 
+@pytest.fixture(scope="module")
+def tiny_yarn(tmp_path_factory):
+    rope = {"rope_type": "yarn", "rope_theta": 1e6, "original_max_position_embeddings": 32,
+            "factor": 4.0}
+    return converted(tmp_path_factory.mktemp("yarn"), rope=rope, head_dim=32)[1]
+
+
+def natural_calls(model, prompts: torch.Tensor, steps: int = 3, rows=None) -> list:
+    """The calls a new user writes: model(prompts) for prompts (R, T) from position 0, then
+    model(token, positions) a token at a time, greedy. rows: run them as the rows of a bigger cache,
+    which earlier calls filled with other tokens. Returns each call's last logits (R, vocab)."""
+    count, length = prompts.shape
+    out = [model(prompts)[:, -1]]
+    for step in range(steps):
+        token = out[-1].argmax(-1, keepdim=True)  # (R, 1)
+        positions = torch.full((count, 1), length + step, device=prompts.device)
+        out.append(model(token, positions)[:, -1])
+    return out
+
+
+@pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe", "tiny_yarn"])
+def test_the_natural_decode_call_gives_the_whole_sequences_logits(checkpoint, request):
+    """model(tokens, positions) after a prefill, with no other argument, attends to every cache
+    position at or below its own: each step's logits are the last of a prefill of the whole sequence
+    so far (fp32, 1e-5), in two rows of different lengths, in a cache that a longer earlier request
+    left full of stale keys."""
+    path = request.getfixturevalue(checkpoint)
+    torch.manual_seed(11)
+    model = load(path, slots=2, capacity=128)
+    with torch.no_grad():
+        model(torch.randint(0, VOCAB, (2, 100)))  # stale keys at positions 0 ... 99
+        prompts = torch.randint(0, VOCAB, (2, 8))
+        got = natural_calls(model, prompts)
+        sequences = torch.cat([prompts, torch.stack(got[:-1], 1).argmax(-1)], 1)  # (2, 11)
+        for step, logits in enumerate(got):
+            whole = load(path, slots=2, capacity=128)(sequences[:, :8 + step])
+            assert torch.allclose(logits, whole[:, -1], atol=1e-5), step
+
+
+def test_a_shorter_attended_prefix_is_faster_never_wrong(tiny):
+    """kv_len, the attended prefix, gives the whole cache's logits where it covers every position
+    given, and is refused where it doesn't (a query would miss its own key)."""
+    model = load(tiny, capacity=128)
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]]))
+        token, position = torch.tensor([[9]]), torch.tensor([[8]])
+        whole = model(token, position)
+        assert torch.equal(model(token, position, kv_len=64), whole)
+        with pytest.raises(RuntimeError, match="positions past kv_len"):
+            model(token, position, kv_len=8)
+
+
 def test_parity_with_transformers_bf16(tmp_path):
     """bf16 against bf16 transformers: both round at the same places, so logits stay within a few
     ulps."""
@@ -358,55 +414,56 @@ def test_parity_with_transformers_bf16(tmp_path):
 
 
 def test_config_variants():
+    """config.json as the hub and transformers spell it, read by ModelArgs.from_config after the
+    converter's checks (convert.model_args), which refuse what describes no model in one line."""
     base = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 1024, "num_attention_heads": 16,
             "vocab_size": 1000, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
             "head_dim": 128,
             "num_key_value_heads": 8, "intermediate_size": 3072, "num_hidden_layers": 28}
-    assert ModelArgs.from_config({**base, "rope_theta": 5e5}).rope_theta == 5e5
+    assert convert.model_args({**base, "rope_theta": 5e5}).rope_theta == 5e5
     new_style = {**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
-    assert ModelArgs.from_config(new_style).rope_theta == 1e6
-    assert ModelArgs.from_config({**base, "head_dim": None}).head_dim == 64
+    assert convert.model_args(new_style).rope_theta == 1e6
+    assert convert.model_args({**base, "head_dim": None}).head_dim == 64
     with pytest.raises(UserError, match="Qwen2"):
-        ModelArgs.from_config({**base, "architectures": ["Qwen2ForCausalLM"]})
+        convert.model_args({**base, "architectures": ["Qwen2ForCausalLM"]})
     # a Qwen2 config with a Qwen3 architecture entry
     with pytest.raises(UserError, match="model_type qwen2"):
-        ModelArgs.from_config({**base, "model_type": "qwen2"})
+        convert.model_args({**base, "model_type": "qwen2"})
     # Qwen3's model cards: YaRN to 131,072 positions
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
-    args = ModelArgs.from_config({**base, "rope_scaling": yarn, "max_position_embeddings": 40960})
+    args = convert.model_args({**base, "rope_scaling": yarn, "max_position_embeddings": 40960})
     assert args.yarn == {"factor": 4.0, "original_max_position_embeddings": 32768}
     assert (args.max_position_embeddings == 131072
-            and ModelArgs.from_config(vars(args)).yarn == args.yarn)
+            and convert.model_args(vars(args)).yarn == args.yarn)
     with pytest.raises(UserError, match="rope type dynamic is not supported"):
-        ModelArgs.from_config({**base, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}})
+        convert.model_args({**base, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}})
     with pytest.raises(UserError, match="YaRN parameters .* are not all numbers"):
-        ModelArgs.from_config({**base, "rope_scaling": {**yarn, "factor": "4"}})
+        convert.model_args({**base, "rope_scaling": {**yarn, "factor": "4"}})
     with pytest.raises(UserError, match="sliding-window attention is not supported"):
-        ModelArgs.from_config({**base, "use_sliding_window": True})
+        convert.model_args({**base, "use_sliding_window": True})
     no_window = {**base, "use_sliding_window": False, "sliding_window": 4096}
-    assert ModelArgs.from_config(no_window).head_dim == 128
+    assert convert.model_args(no_window).head_dim == 128
     moe = {**base, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}
     # transformers' name
-    assert ModelArgs.from_config({**moe, "num_local_experts": 16}).num_experts == 16
-    assert ModelArgs.from_config({**moe, "num_experts": 64}).num_experts == 64  # the hub's
-    assert ModelArgs.from_config({**base, "eos_token_id": 7}).eos_token_id == [7]
+    assert convert.model_args({**moe, "num_local_experts": 16}).num_experts == 16
+    assert convert.model_args({**moe, "num_experts": 64}).num_experts == 64  # the hub's
+    assert convert.eos_ids({**base, "eos_token_id": 7}, "config.json") == {7}
     for bad in [{"num_hidden_layers": "two"}, {"hidden_size": -1}, {"tie_word_embeddings": "yes"},
                 {"rope_theta": "big"}, {"mlp_only_layers": 3.5}, {"rope_parameters": [1]}]:
         with pytest.raises(UserError, match="config.json: "):
-            ModelArgs.from_config({**base, **bad})
+            convert.model_args({**base, **bad})
     refused = [({"rope_theta": 0}, "rope_theta is 0; it must be above 0"),
                ({"rms_norm_eps": 0.0}, "rms_norm_eps is 0.0; it must be above 0"),
                ({"rms_norm_eps": -1e-6}, "rms_norm_eps is -1e-06"),
                ({"num_attention_heads": 0}, "num_attention_heads is 0"),
-               ({"rope_parameters": {"rope_theta": 0}}, "rope_theta is 0"),
-               ({"quantization": "fp4"}, "quantization 'fp4' is not supported")]
+               ({"rope_parameters": {"rope_theta": 0}}, "rope_theta is 0")]
     for bad, message in refused:
         with pytest.raises(UserError, match=re.escape(f"config.json: {message}")):
-            ModelArgs.from_config({**base, **bad})
+            convert.model_args({**base, **bad})
     for name in ("rms_norm_eps", "max_position_embeddings", "vocab_size", "hidden_size"):
         config = {key: value for key, value in base.items() if key != name}
         with pytest.raises(UserError, match=f"config.json: {name} is missing"):
-            ModelArgs.from_config(config)
+            convert.model_args(config)
 
 
 def test_model_py_alone_runs_the_pytorch_path(tiny, tmp_path):
@@ -416,11 +473,17 @@ def test_model_py_alone_runs_the_pytorch_path(tiny, tmp_path):
     code = textwrap.dedent(f"""
         import sys
         sys.path = [{str(tmp_path)!r}] + [p for p in sys.path if p not in ("", {HERE!r})]
-        import torch, model
-        m = model.Transformer.from_checkpoint({tiny!r}, "cpu", torch.float32)
+        import glob, json, torch, model
+        from safetensors.torch import load_file
+        config = json.load(open({tiny + "/config.json"!r}))
+        m = model.Transformer(model.ModelArgs.from_config(config))
+        for shard in glob.glob({tiny + "/model*.safetensors"!r}):
+            m.load_state_dict(load_file(shard), strict=False)
         m.setup_cache(1, 64)
-        logits = m(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], m.key_positions[:3])
-        assert not {{"qwen3_triton", "generate"}} & set(sys.modules)
+        with torch.no_grad():
+            logits = m(torch.tensor([[1, 2, 3]]))
+        ours = {{"qwen3_triton", "generate", "convert_hf_checkpoint", "quantize"}}
+        assert not ours & set(sys.modules)
         torch.save(logits, {str(tmp_path / "logits.pt")!r})""")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
                        timeout=300)
@@ -430,8 +493,8 @@ def test_model_py_alone_runs_the_pytorch_path(tiny, tmp_path):
 
 
 def test_the_card_files_work_without_the_fast_path(tiny, tmp_path):
-    """model.py, generate.py and the converter without qwen3_triton.py: they convert and
-    generate."""
+    """model.py, generate.py and the converter without the optional files: they convert and
+    generate; int8 is refused in one line."""
     for name in ("model.py", "generate.py", "convert_hf_checkpoint.py"):
         shutil.copy(os.path.join(HERE, name), tmp_path)
     hf_checkpoint(str(tmp_path / "hf"))
@@ -445,10 +508,21 @@ def test_the_card_files_work_without_the_fast_path(tiny, tmp_path):
             script=str(tmp_path / "generate.py"), cwd=tmp_path, env=env)
     assert r.returncode == 0 and "5 new tokens" in r.stderr, r.stderr
     assert not os.path.exists(tmp_path / "qwen3_triton.py")
+    # int8 needs quantize.py: one line, nothing written
+    r = cli("--checkpoint-dir", str(tmp_path / "hf"), "--int8", script=script, cwd=tmp_path,
+            env=env)
+    assert r.returncode == 1 and r.stderr == "error: int8 needs quantize.py beside this file\n"
+    assert not (tmp_path / "hf" / "converted-int8").exists()
+    shutil.copytree(tmp_path / "hf" / "converted", tmp_path / "int8")
+    edit_json(tmp_path / "int8" / "config.json", quantization="int8")
+    r = cli("--checkpoint", str(tmp_path / "int8"), "--prompt", "hello", "--device", "cpu",
+            script=str(tmp_path / "generate.py"), cwd=tmp_path, env=env)
+    want = f"error: {tmp_path / 'int8'} is int8: loading it needs quantize.py\n"
+    assert r.returncode == 1 and r.stderr.endswith(want), r.stderr
 
 
 def test_model_says_what_to_call_first_and_loads_frozen(tiny):
-    model = Transformer.from_checkpoint(tiny, "cpu", torch.float32)
+    model = G.load_model(tiny)
     assert not any(p.requires_grad for p in model.parameters())
     with pytest.raises(RuntimeError, match=r"call setup_cache\(slots, capacity\) before"):
         model(torch.tensor([[1]]), torch.tensor([[0]]), torch.arange(1))
@@ -469,7 +543,7 @@ def test_cache_rows_of_different_lengths_do_not_see_each_other(tiny):
     nxt = torch.tensor([[5], [9]])
     pos = torch.tensor([[len(a)], [len(b)]])
     with torch.no_grad():
-        step = both(nxt, pos, both.key_positions[:len(b) + 1])
+        step = both(nxt, pos, len(b) + 1)
     for i, (p, t) in enumerate(((a, 5), (b, 9))):
         assert torch.allclose(got[i], alone[i], atol=1e-5)
         single = load(tiny)
@@ -877,18 +951,53 @@ def test_int8_quality_against_fp32(tmp_path, tied, moe):
 
 def test_int8_checkpoint_with_a_bf16_lm_head_is_refused_in_one_line(tmp_path):
     # untied int8 checkpoints written before lm_head was quantized: lm_head.weight in float, no
-    # lm_head.scale
+    # lm_head.weight_scale
     hf, path = converted(tmp_path)
     convert.convert(str(tmp_path / "hf"), str(tmp_path / "int8"), int8=True)
     shards = sorted((tmp_path / "int8").glob("*.safetensors"))
-    shard = next(f for f in shards if "lm_head.scale" in load_file(f))
+    shard = next(f for f in shards if "lm_head.weight_scale" in load_file(f))
     state = load_file(shard)
-    q, scale = state["lm_head.weight"], state.pop("lm_head.scale")
+    q, scale = state["lm_head.weight"], state.pop("lm_head.weight_scale")
     state["lm_head.weight"] = q.float() * scale[:, None]
     save_file(state, shard)
-    with pytest.raises(UserError, match=r"do not match config.json \(lm_head.scale\); "
+    with pytest.raises(UserError, match=r"do not match config.json \(lm_head.weight_scale\); "
                                         r"convert again"):
         load(str(tmp_path / "int8"))
+
+
+@pytest.mark.parametrize("moe", [None, dict(mlp_only_layers=[0])], ids=["dense", "moe"])
+def test_int8_modules_equal_their_dequantized_weights(tmp_path, moe):
+    """quantize.py's modules: the logits of an int8 checkpoint equal, to 1e-4 in fp32, those of the
+    same model with the dequantized weights loaded as plain ones; and quantize.py's own conversion
+    of a converted checkpoint writes the converter's --int8 tensors."""
+    hf, path = converted(tmp_path, moe=moe)
+    convert.convert(str(tmp_path / "hf"), str(tmp_path / "int8"), int8=True)
+    q8 = load(str(tmp_path / "int8"), capacity=64)
+    plain = load(path, capacity=64)
+    state = q8.state_dict()
+    for name, weight in state.items():
+        if weight.dtype == torch.int8:
+            scale = state[f"{name}_scale"]
+            plain.get_parameter(name).copy_(weight.float() * scale[..., None])
+    assert any(isinstance(m, Q.Int8Experts) for m in q8.modules()) == (moe is not None)
+    prompt = list(range(1, 30))
+    assert (forward(q8, prompt) - forward(plain, prompt)).abs().max() <= 1e-4
+    r = cli("--checkpoint", path, "--mode", "int8", script=os.path.join(HERE, "quantize.py"))
+    assert r.returncode == 0 and r.stdout == f"wrote {path}-int8\n", r.stderr
+    ours, theirs = (read_all(p) for p in (path + "-int8", tmp_path / "int8"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert json.load(open(path + "-int8/config.json"))["quantization"] == "int8"
+    r = cli("--checkpoint", path + "-int8", "--mode", "int8",
+            script=os.path.join(HERE, "quantize.py"))
+    assert r.returncode == 1 and r.stderr == f"error: {path}-int8 is already int8\n"
+
+
+def read_all(directory) -> dict:
+    """Every tensor of a directory's safetensors files."""
+    tensors = {}
+    for file in pathlib.Path(directory).glob("*.safetensors"):
+        tensors.update(load_file(file))
+    return tensors
 
 
 def test_int8_quantize_roundtrip():
@@ -1004,7 +1113,7 @@ def test_the_python_api_refuses_bad_arguments_naming_them(tiny):
                               (dict(top_k="20"), "top_k '20'")]:
         with pytest.raises(UserError, match=re.escape(message)):
             G.SamplingParams(**settings)
-    model = Transformer.from_checkpoint(tiny, "cpu", torch.float32)
+    model = G.load_model(tiny)
     for flags, message in [(dict(batch=0), "batch must be an int of at least 1, not 0"),
                            (dict(capacity=-5), "capacity must be an int of at least 1, not -5"),
                            (dict(batch=1.5), "batch must be an int of at least 1, not 1.5")]:
@@ -1081,24 +1190,24 @@ def test_logits_at_gives_those_tokens_logits_alone(checkpoint, request):
     at = torch.tensor([[39], [17]])
     full = load(path, slots=2)
     with torch.no_grad():
-        want = full(tokens, positions, None)
-        for kv_positions in (None, full.key_positions[:40]):
-            got = load(path, slots=2)(tokens, positions, kv_positions, logits_at=at)
+        want = full(tokens)
+        for given in (None, positions):
+            got = load(path, slots=2)(tokens, given, logits_at=at)
             assert got.shape == (2, 1, VOCAB)
             for row in range(2):
                 assert torch.allclose(got[row, 0], want[row, at[row, 0]], atol=1e-5)
 
 
 def test_causal_prompt_path_equals_the_masked_one(tiny):
-    """A prompt from position 0 attends causally without a mask (kv_positions None: flash attention
+    """A prompt from position 0 attends causally without a mask (positions None: flash attention
     on CUDA); the same prompt through the position mask gives the same logits."""
     torch.manual_seed(9)
     prompt = torch.randint(0, VOCAB, (2, 300))
     model = load(tiny, slots=2, capacity=512)
     positions = torch.arange(300).expand(2, -1)
     with torch.no_grad():
-        causal = model(prompt, positions, None)
-        masked = model(prompt, positions, model.key_positions[:300])
+        causal = model(prompt)
+        masked = model(prompt, positions, 300)
     assert torch.allclose(causal, masked, atol=1e-5)
 
 
@@ -1273,7 +1382,7 @@ def test_cuda_no_host_sync_inside_prefill_and_decode_steps(checkpoint, prompts, 
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         return run
-    gen.step, gen.prefill_step = checked(gen.step), checked(gen.prefill_step)
+    gen.decode_step, gen.prefill_step = checked(gen.decode_step), checked(gen.prefill_step)
     out = gen.generate(prompts, max_new=40, stop_ids=set())[0]
     assert [len(row) for row in out] == [40] * len(prompts)
 
@@ -1338,11 +1447,11 @@ def test_cuda_graph_capture_changes_no_state(checkpoint, request):
             gen.prefill([[1, 2, 3, 4]])
             states.append(state(gen))
         for _ in range(3):  # warm-up and capture, then replays
-            gen.step(gen.attended(8))
+            gen.decode_step(gen.attended(8))
             states.append(state(gen))
     for eager, graphed in zip(states[:5], states[5:], strict=True):
         assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
-    assert len(gens[1].prefill_step.graphs) == 1 and len(gens[1].step.graphs) == 1
+    assert len(gens[1].prefill_step.graphs) == 1 and len(gens[1].decode_step.graphs) == 1
     assert len(set(gens[1].state.sequences[0, 4:8].tolist())) > 1
 
 
@@ -1861,7 +1970,7 @@ with torch.no_grad():
     for step in range(32):
         token = logits[-1][-1].argmax()[None, None]
         position = torch.tensor([[8 + step]])
-        logits.append(model(token, position, model.key_positions[:9 + step])[0])
+        logits.append(model(token, position, 9 + step)[0])
 runs = []
 for prompts in ([[5, 3, 9]], [[5, 3, 9], [7, 1, 2, 6, 30, 4]]):
     for sampling in (G.SamplingParams(), G.SamplingParams(temperature=1.0, top_k=40, top_p=0.9)):

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from model import ModelArgs, Transformer, UserError
+from convert_hf_checkpoint import UserError
+from model import ModelArgs, Transformer
 
 # Row-parallel: each rank takes its columns of the weight (its share of the input)
 ROW_PARALLEL = ("o_proj", "down_proj")
@@ -36,7 +37,8 @@ def launched() -> bool:
 
 def start(device: torch.device) -> "TensorParallel":
     """This process's rank from torchrun's environment, its process group (NCCL on CUDA, gloo on
-    the CPU) and its GPU: cuda:LOCAL_RANK. Ranks but 0 print nothing: their output goes nowhere."""
+    the CPU) and its GPU: cuda:LOCAL_RANK. Rank 0 alone prints the text: the others' stdout goes
+    nowhere, their stderr stays."""
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
@@ -46,7 +48,7 @@ def start(device: torch.device) -> "TensorParallel":
     atexit.register(dist.destroy_process_group)
     rank = dist.get_rank()
     if rank:
-        sys.stdout = sys.stderr = open(os.devnull, "w")  # open until the exit
+        sys.stdout = open(os.devnull, "w")  # open until the exit
     return TensorParallel(rank, dist.get_world_size(), device)
 
 
@@ -94,33 +96,37 @@ class TensorParallel:
 
     def read(self, name: str, part) -> torch.Tensor:
         """This rank's share of the converted tensor `name` from `part`, its safetensors slice:
-        only these bytes are read."""
-        module, leaf = name.split(".")[-2:]
+        only these bytes are read. A weight's output rows are its second-last dimension; an int8
+        scale (`name`_scale) has one per output row, its last."""
+        scale = name.endswith("_scale")
+        # "layers.0.mlp.experts.down_proj", "layers.0.self_attn.o_proj.weight_scale" -> the product
+        pieces = name.removesuffix("_scale").split(".")
+        module = [piece for piece in pieces if piece.endswith("_proj")]
+        module = module[-1] if module else None
         shape = part.get_shape()
         whole = [slice(None)] * len(shape)
-        if module in ROW_PARALLEL and leaf == "weight":  # the input columns, made contiguous
+        if module in ROW_PARALLEL and not scale:  # the input columns, made contiguous
             width = shape[-1] // self.world
             columns = slice(self.rank * width, self.rank * width + width)
             return part[(*whole[:-1], columns)].contiguous()
         if module not in FUSED:  # whole on every rank (a row-parallel scale: per output row)
             return part[:]
-        # The output rows: a weight's second-last dimension, a scale's last
-        dim = len(shape) - (2 if leaf == "weight" else 1)
+        dim = len(shape) - (1 if scale else 2)
         shares = [part[(*whole[:dim], rows)] for rows in self.rows(module, shape[dim])]
         return torch.cat(shares, dim)
 
     def apply(self, model: Transformer) -> None:
         """The all-reduces. PyTorch's path: each block's attention and MLP output is a share of the
         sum, which the all-reduce completes before the block adds its residual. The fast path
-        (qwen3_triton.product): o_proj's and down_proj's kernels add the residual on rank 0 alone,
-        then the all-reduce sums the shares. One rank holds the whole sum: it needs none."""
+        (qwen3_triton.forward_one_token reads model.tensor_parallel): o_proj's and down_proj's
+        kernels add the residual on rank 0 alone, then the all-reduce sums the shares. One rank
+        holds the whole sum: it needs none."""
         if self.world == 1:
             return
         for layer in model.layers:
             for module in (layer.self_attn, layer.mlp):
                 module.register_forward_hook(lambda _module, _inputs, share: self.all_reduce(share))
-            for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
-                proj.tensor_parallel = self
+        model.tensor_parallel = self
 
     def all_reduce(self, share: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's `share`: one all-reduce that eager code, our CUDA graphs and
