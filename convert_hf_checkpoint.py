@@ -133,18 +133,16 @@ def model_args(config: dict) -> ModelArgs:
     given = {**config, "rope_theta": rope.get("rope_theta", config.get("rope_theta"))}
     given["num_experts"] = config.get("num_local_experts", config.get("num_experts"))
     for spec in dataclasses.fields(ModelArgs):
-        value = given.get(spec.name)
+        name, value = spec.name, given.get(spec.name)
+        if value is None and name in REQUIRED:
+            raise UserError(f"config.json: {name} is missing; download or convert it again")
         if value is None:
             continue
         kinds = CONFIG_TYPES[spec.type]
         if type(value) not in kinds or (type(value) is int and value < 0):
-            raise UserError(f"config.json: {spec.name} is {value!r}, not a valid value")
-    missing = [name for name in REQUIRED if given.get(name) is None]
-    if missing:
-        raise UserError(f"config.json: {missing[0]} is missing; download or convert it again")
-    for name in [*REQUIRED, "rope_theta"]:
-        if given.get(name) is not None and given[name] <= 0:
-            raise UserError(f"config.json: {name} is {given[name]!r}; it must be above 0")
+            raise UserError(f"config.json: {name} is {value!r}, not a valid value")
+        if name in (*REQUIRED, "rope_theta") and value <= 0:
+            raise UserError(f"config.json: {name} is {value!r}; it must be above 0")
     return ModelArgs.from_config(config)
 
 
@@ -200,15 +198,12 @@ def hf_names(name: str, experts: int) -> list[str]:
     k, v; gate, up; and with `experts` (a MoE layer's stacked tensors), every expert's in turn."""
     if name == "lm_head.weight":
         return [name]
-    if experts:  # "layers.0.mlp.experts.down_proj" -> "model.layers.0.mlp.experts.{e}.down_proj"
-        module, projection = f"model.{name}".rsplit(".", 1)
-        owners = [f"{module}.{expert}" for expert in range(experts)]
-        leaf = "weight"
-    else:  # "layers.0.self_attn.qkv_proj.weight" -> "model.layers.0.self_attn", "qkv_proj", ...
-        module, projection, leaf = f"model.{name}".rsplit(".", 2)
-        owners = [module]
+    # "layers.0.self_attn.qkv_proj.weight" -> "model.layers.0.self_attn", "qkv_proj"; experts:
+    # "layers.0.mlp.experts.down_proj" -> "model.layers.0.mlp.experts", "down_proj"
+    module, projection = f"model.{name}".removesuffix(".weight").rsplit(".", 1)
+    owners = [f"{module}.{expert}" for expert in range(experts)] or [module]
     parts = FUSED.get(projection, [projection])
-    return [f"{owner}.{part}.{leaf}" for owner in owners for part in parts]
+    return [f"{owner}.{part}.weight" for owner in owners for part in parts]
 
 
 def snapshot_args(src: pathlib.Path) -> tuple[ModelArgs, dict]:
@@ -258,15 +253,17 @@ def joined(src: pathlib.Path, name: str, parts: list[str], files: dict, meta) ->
 def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) -> None:
     src = pathlib.Path(src)
     args, config = snapshot_args(src)
+    if int8:
+        try:
+            import quantize
+        except ImportError:
+            raise UserError("int8 needs quantize.py beside this file") from None
+        config["quantization"] = "int8"
     with torch.device("meta"):
         model = Transformer(args)
-    expected = checkpoint_tensors(model)
-    if int8:
-        quantize = int8_module()
-        with torch.device("meta"):
+        if int8:
             quantize.swap_in_int8(model)
-        expected = checkpoint_tensors(model)
-        config["quantization"] = "int8"
+    expected = checkpoint_tensors(model)
     sources = {}  # our tensor -> its Hugging Face parts; int8 scales come from the weights
     for name, meta in expected.items():
         if not name.endswith("_scale"):
@@ -287,15 +284,6 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
             else:
                 yield name, weight
     write_checkpoint(out, tensors(), len(expected), config, src, shard_bytes)
-
-
-def int8_module():
-    """quantize.py, which int8 conversion needs."""
-    try:
-        import quantize
-    except ImportError:
-        raise UserError("int8 needs quantize.py beside this file") from None
-    return quantize
 
 
 def write_checkpoint(out: str, tensors, count: int, config: dict, src: pathlib.Path,

@@ -54,11 +54,12 @@ class SamplingParams:
                 raise UserError(f"{name} {getattr(self, name)!r} is not a number")
         # Below 0.001, logits / temperature overflows fp32 (and would be greedy anyway)
         if not (self.temperature == 0 or 1e-3 <= self.temperature < math.inf):
-            raise UserError(f"temperature {self.temperature!r}: give 0 (greedy) or at least 0.001")
+            raise UserError(f"temperature {self.temperature!r}: must be 0 (greedy) or at least "
+                            "0.001")
         if self.top_k < 0:
-            raise UserError(f"top_k {self.top_k!r}: give 0 (every token) or more")
+            raise UserError(f"top_k {self.top_k!r}: must be >= 0 (0 keeps every token)")
         if not 0 < self.top_p <= 1:  # nan fails every comparison
-            raise UserError(f"top_p {self.top_p!r}: give a number in (0, 1]")
+            raise UserError(f"top_p {self.top_p!r}: must be in (0, 1]")
 
     @classmethod
     def from_generation_config(cls, generation_config: dict) -> "SamplingParams":
@@ -67,9 +68,9 @@ class SamplingParams:
         do_sample = generation_config.get("do_sample", True)
         if type(do_sample) is not bool:
             raise UserError(f"generation_config.json: do_sample {do_sample!r} is not true or false")
-        names = [spec.name for spec in dataclasses.fields(cls)]
-        given = [name for name in names if generation_config.get(name) is not None]
-        settings = {name: generation_config[name] for name in given if do_sample}
+        names = [spec.name for spec in dataclasses.fields(cls) if do_sample]
+        settings = {name: generation_config[name] for name in names
+                    if generation_config.get(name) is not None}
         try:
             return cls(**settings)
         except UserError as e:
@@ -221,10 +222,9 @@ class Generator:
         self.state = DecodeState(batch, capacity, device)
         # The fast path's products take one token; its draw, a top-k of at most MAX_TOP_K
         self.one_token_kernels = use_kernels and batch == 1
-        top_k = sampling.top_k
-        vocab = model.args.vocab_size
-        self.top_k_kernel = use_kernels and sampling.temperature > 0 and 0 < top_k < vocab
-        self.top_k_kernel = self.top_k_kernel and top_k <= qwen3_triton.MAX_TOP_K
+        top_k = sampling.top_k if sampling.temperature > 0 else 0  # greedy: no filter
+        filtered = 0 < top_k < model.args.vocab_size
+        self.top_k_kernel = use_kernels and filtered and top_k <= qwen3_triton.MAX_TOP_K
         self.compiled, self.graphed = compile, cuda_graph
         # Prompts padded to a few lengths, a graph each
         self.bucketed = compile or cuda_graph
@@ -601,7 +601,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.sampling = {name: getattr(args, name) for name in given}
     SamplingParams(**args.sampling)
     if args.seed is not None and not 0 <= args.seed < 1 << 64:
-        raise UserError(f"--seed {args.seed}: give a number in [0, 2^64)")
+        raise UserError(f"--seed {args.seed}: must be in [0, 2^64)")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         raise UserError(f"unknown device {args.device!r}: use cpu, cuda or cuda:N")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -637,7 +637,9 @@ def run(args: argparse.Namespace) -> None:
     split = None
     if tp is not None and tp.launched():  # torchrun: this process is one rank of the model
         split = tp.start(args.device)
-    if not sys.stderr.isatty():  # a terminal gets a progress line instead
+    # Under torchrun, rank 0 alone says what happens
+    talks = split is None or split.rank == 0
+    if talks and not sys.stderr.isatty():  # a terminal gets a progress line instead
         print(f"loading {args.checkpoint} ...", file=sys.stderr, flush=True)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     checkpoint = load(args.checkpoint, split.device if split else args.device, dtype, split)
@@ -660,7 +662,8 @@ def run(args: argparse.Namespace) -> None:
                                    check_every=args.check_every, on_tokens=stream)
     finally:  # on Ctrl-C too: what was generated so far
         stream.finish()
-    print(report(stats, rows), file=sys.stderr)
+    if talks:
+        print(report(stats, rows), file=sys.stderr)
 
 
 if __name__ == "__main__":
