@@ -43,7 +43,9 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import generate as G  # noqa: E402
-from model import Linear, ModelArgs, MoE, Transformer  # noqa: E402
+import convert_hf_checkpoint as convert  # noqa: E402
+import quantize  # noqa: E402
+from model import Experts, ModelArgs, Transformer  # noqa: E402
 
 PRESETS = {  # from the published config.json files; head_dim is 128 in all of them
     "0.6B": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -73,25 +75,30 @@ SAMPLED = G.SamplingParams(temperature=0.6, top_k=20, top_p=0.95)  # Qwen3's gen
 
 def random_model(size: str, int8: bool) -> Transformer:
     """A preset with random bf16 weights, built on the GPU in bf16 (never a float32 copy: 30B-A3B is
-    61 GB); with int8, every linear layer the converter quantizes gets random int8 weights and
-    scales of the bf16 weights' size."""
-    args = ModelArgs(**PRESETS[size], head_dim=128, vocab_size=VOCAB,
-                     quantization="int8" if int8 else None)
+    61 GB); with int8, every layer quantize.py quantizes gets random int8 weights and scales of the
+    bf16 weights' size."""
+    args = ModelArgs(**PRESETS[size], head_dim=128, vocab_size=VOCAB)
     torch.manual_seed(0)
     with torch.device("meta"):
-        model = Transformer(args).to(torch.bfloat16)  # .to() leaves the int8 buffers int8
+        model = Transformer(args)
+        if int8:
+            quantize.swap_in_int8(model)
+    model = model.to(torch.bfloat16)  # .to() leaves the int8 buffers int8
     model = model.to_empty(device="cuda")
+    state = model.state_dict()
     with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, torch.nn.RMSNorm):
-                module.weight.uniform_(0.5, 1.5)
-            elif isinstance(module, torch.nn.Embedding):
-                module.weight.normal_()
-            elif isinstance(module, Linear) and module.scale is None:
-                module.weight.normal_(0, module.weight.shape[-1] ** -0.5)
-            elif isinstance(module, Linear):
-                module.weight.random_(-127, 128)
-                module.scale.uniform_(0.5, 1.5).mul_(module.weight.shape[-1] ** -0.5 / 127)
+        for name, tensor in state.items():
+            if tensor.dtype == torch.int8:
+                tensor.random_(-127, 128)
+            elif name.endswith("_scale"):  # of the weight `name` less _scale
+                columns = state[name.removesuffix("_scale")].shape[-1]
+                tensor.uniform_(0.5, 1.5).mul_(columns ** -0.5 / 127)
+            elif "norm" in name:
+                tensor.uniform_(0.5, 1.5)
+            elif name == "embed_tokens.weight":
+                tensor.normal_()
+            else:
+                tensor.normal_(0, tensor.shape[-1] ** -0.5)
     if args.tie_word_embeddings:  # to_empty made the tied lm_head a tensor of its own
         model.lm_head.weight = model.embed_tokens.weight
     return model.eval()
@@ -107,10 +114,10 @@ def weight_bytes(model: Transformer) -> int:
     if not model.args.tie_word_embeddings:
         total -= size([model.embed_tokens.weight])
     for m in model.modules():
-        if isinstance(m, MoE):
-            experts = size([*m.gate_up_proj.state_dict().values(),
-                            *m.down_proj.state_dict().values()])
-            total -= experts * (1 - m.top_k / model.args.num_experts)
+        if isinstance(m, Experts):
+            experts = size(m.state_dict().values())
+            top_k = model.args.num_experts_per_tok
+            total -= experts * (1 - top_k / model.args.num_experts)
     return int(total)
 
 
@@ -132,7 +139,7 @@ def bandwidth() -> float:
 def every_expert(model: Transformer, every: bool) -> None:
     """With `every`, MoE layers multiply by every expert where the kernels don't run."""
     for module in model.modules():
-        if isinstance(module, MoE):
+        if isinstance(module, Experts):
             module.grouped_mm = module.grouped_mm and not every
 
 
@@ -197,7 +204,7 @@ def profile(gen: G.Generator, tok_s: float, needed: int) -> list:
     activities = [torch.profiler.ProfilerActivity.CUDA]
     with torch.no_grad(), torch.profiler.profile(activities=activities) as prof:
         for _ in range(10):
-            gen.step(kv_positions)  # replays the step's CUDA graph
+            gen.decode_step(kv_positions)  # replays the step's CUDA graph
         torch.cuda.synchronize()
     events = prof.key_averages()
     gpu_us = sum(e.device_time_total for e in events) / 10
@@ -405,25 +412,13 @@ def write_checkpoint(a: argparse.Namespace) -> list:
     """A converted checkpoint of --size with random weights at --checkpoint, written from the GPU
     (no Hugging Face snapshot to convert: 30B-A3B's would need the disk twice), with the tokenizer
     files of --tokenizer-from."""
-    from safetensors.torch import save_file
     model = random_model(a.size, a.int8)
-    out = pathlib.Path(a.checkpoint)
-    out.mkdir()  # a new directory: ours to remove if the writing stops
-    try:
-        shard = {}
-        tensors = list(model.checkpoint_tensors().items())
-        for i, (name, tensor) in enumerate(tensors):
-            shard[name] = tensor.contiguous()
-            if sum(t.nbytes for t in shard.values()) >= 2 << 30 or i == len(tensors) - 1:
-                save_file(shard, out / f"model-{i:05d}.safetensors")
-                shard = {}
-        (out / "config.json").write_text(json.dumps(dataclasses.asdict(model.args)))
-        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-            shutil.copy(pathlib.Path(a.tokenizer_from, name), out)
-    except BaseException:  # an error or Ctrl-C: no half-written checkpoint
-        shutil.rmtree(out)
-        raise
-    return [{"wrote": str(out), "GB": round(weight_bytes(model) / 1e9, 1)}]
+    tensors = convert.checkpoint_tensors(model)
+    config = dict(dataclasses.asdict(model.args), eos_token_id=[151645],
+                  quantization="int8" if a.int8 else None)
+    source = pathlib.Path(a.tokenizer_from)
+    convert.write_checkpoint(a.checkpoint, iter(tensors.items()), len(tensors), config, source)
+    return [{"wrote": a.checkpoint, "GB": round(weight_bytes(model) / 1e9, 1)}]
 
 
 def main():
