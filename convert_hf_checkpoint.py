@@ -193,14 +193,16 @@ COPIED = ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
           "generation_config.json"]
 
 
-def hf_names(name: str, experts: int) -> list[str]:
-    """The Hugging Face tensors that make our tensor `name`, in the order they are concatenated: q,
-    k, v; gate, up; and with `experts` (a MoE layer's stacked tensors), every expert's in turn."""
+def hf_names(name: str, meta: torch.Tensor) -> list[str]:
+    """The Hugging Face tensors that make our tensor `name`, of meta's shape, in the order they are
+    concatenated: q, k, v; gate, up; and for a MoE layer's stacked experts (experts, rows, columns),
+    every expert's in turn."""
     if name == "lm_head.weight":
         return [name]
     # "layers.0.self_attn.qkv_proj.weight" -> "model.layers.0.self_attn", "qkv_proj"; experts:
     # "layers.0.mlp.experts.down_proj" -> "model.layers.0.mlp.experts", "down_proj"
     module, projection = f"model.{name}".removesuffix(".weight").rsplit(".", 1)
+    experts = meta.shape[0] if meta.dim() == 3 else 0
     owners = [f"{module}.{expert}" for expert in range(experts)] or [module]
     parts = FUSED.get(projection, [projection])
     return [f"{owner}.{part}.weight" for owner in owners for part in parts]
@@ -212,9 +214,8 @@ def snapshot_args(src: pathlib.Path) -> tuple[ModelArgs, dict]:
     if not (src / "config.json").is_file():
         raise UserError(f"{src}: no config.json; is it a Hugging Face Qwen3 snapshot?")
     read_tokenizer(src)  # refused now if missing or broken, not when generating
-    if (src / "generation_config.json").is_file():  # likewise
-        generation_config = src / "generation_config.json"
-        eos_ids(read_json(generation_config), generation_config)
+    if (src / "generation_config.json").is_file():  # likewise, if it isn't JSON
+        read_json(src / "generation_config.json")
     config = read_json(src / "config.json")
     if "quantization_config" in config:
         raise UserError(f"{src}: quantized snapshots are not supported: use the bf16 one")
@@ -267,8 +268,7 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
     sources = {}  # our tensor -> its Hugging Face parts; int8 scales come from the weights
     for name, meta in expected.items():
         if not name.endswith("_scale"):
-            experts = meta.shape[0] if meta.dim() == 3 else 0
-            sources[name] = hf_names(name, experts)
+            sources[name] = hf_names(name, meta)
     files = list_tensors(src, "*.safetensors")
     placed = {hf for parts in sources.values() for hf in parts} | {"lm_head.weight"}
     unknown = files.keys() - placed
@@ -306,10 +306,8 @@ def write_checkpoint(out: str, tensors, count: int, config: dict, src: pathlib.P
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
         shard = {}
-        done = 0
-        for name, tensor in tensors:
+        for done, (name, tensor) in enumerate(tensors, 1):
             shard[name] = tensor.contiguous()
-            done += 1
             if sum(t.nbytes for t in shard.values()) >= shard_bytes or done == count:
                 # Named by the count of tensors written: in order, as the loader reads them
                 file = tmp / f"model-{done:05d}.safetensors"
@@ -364,11 +362,13 @@ def stop_on_signals() -> None:
     signal.signal(signal.SIGHUP, signal.default_int_handler)
 
 
+# A user's errors: a bad input, a file, a full disk. Anything else is a bug: a traceback.
+USER_ERRORS = (UserError, OSError, SafetensorError)
+
+
 def exit_on(error: Exception):
-    """Exits with one line for a user's error (a bad input, a file, a full disk); quietly on a
-    stdout closed early (`| head`), as Unix tools do. Anything else is a bug: raised again."""
-    if not isinstance(error, (UserError, OSError, SafetensorError)):
-        raise error
+    """Exits with one line for one of the USER_ERRORS; quietly on a stdout closed early (`| head`),
+    as Unix tools do."""
     # Nothing more to stdout: a full or closed one fails again at exit's flush
     sys.stdout = open(os.devnull, "w")  # open until the exit
     if isinstance(error, BrokenPipeError):
@@ -396,7 +396,7 @@ def main(argv=None):
     except KeyboardInterrupt:
         print("interrupted: nothing was written", file=sys.stderr)
         sys.exit(130)
-    except Exception as e:
+    except USER_ERRORS as e:
         exit_on(e)
 
 

@@ -18,10 +18,10 @@ try:
     import torch
     from safetensors import safe_open
 
-    from convert_hf_checkpoint import (UserError, ArgumentParser, converted_config, eos_ids,
-                                       exit_on, checkpoint_tensors, list_tensors, model_args,
-                                       positive, read_json, read_tokenizer, show_progress,
-                                       stop_on_signals)
+    from convert_hf_checkpoint import (USER_ERRORS, ArgumentParser, UserError, checkpoint_tensors,
+                                       converted_config, eos_ids, exit_on, list_tensors,
+                                       model_args, positive, read_json, read_tokenizer,
+                                       show_progress, stop_on_signals)
     from model import Transformer
     # Optional files: int8 checkpoints, the Triton fast path (without it, or Triton, PyTorch's ops
     # run everywhere), tensor parallelism under torchrun
@@ -249,11 +249,9 @@ class Generator:
         """Next ids (R,) from logits (R, V): the fast path's kernel where it takes the filter (the
         same tokens from the same noise, to the rounding of the top-p cut and of the noise's
         logarithms), else sample."""
-        params = self.sampling
         if self.top_k_kernel:
-            return qwen3_triton.sample_top_k(logits, params.temperature, params.top_k,
-                                             params.top_p)
-        return sample(logits, params)
+            return qwen3_triton.sample_top_k(logits, **dataclasses.asdict(self.sampling))
+        return sample(logits, self.sampling)
 
     def prefill_prompts(self, positions: torch.Tensor, kv_positions: torch.Tensor | None) -> None:
         """The prompts in state.sequences at `positions` (R, T), padded after their ends, into cache
@@ -312,9 +310,8 @@ class Generator:
         state.positions[:count, 0] = torch.tensor([start + len(prompt) for prompt in prompts])
         positions = state.prompt_positions[:count, :length]
         positions.copy_(self.model.key_positions[start:start + length])  # to every row
-        kv_positions = None  # prompts from position 0 attend among themselves
-        if start:
-            kv_positions = self.attended(start + length)
+        # None: prompts from position 0, which attend among themselves
+        kv_positions = self.attended(start + length) if start else None
         self.prefill_step(positions, kv_positions)
 
     @torch.no_grad()
@@ -331,8 +328,7 @@ class Generator:
         self.check_prompts(prompts)
         check_count("max_new", max_new)
         check_count("check_every", check_every)
-        if type(start) is not int or start < 0:
-            raise UserError(f"start must be an int of at least 0, not {start!r}")
+        check_count("start", start, least=0)
         longest = start + max(map(len, prompts))  # where the longest prompt ends
         if longest + max_new > self.capacity:
             raise UserError(f"prompt ({longest} tokens) + max new tokens ({max_new}) is over the "
@@ -378,10 +374,10 @@ class Generator:
             raise UserError(f"prompts are lists of token ids in [0, {vocab})")
 
 
-def check_count(name: str, value) -> None:
-    """An argument that counts something: an int of at least 1."""
-    if type(value) is not int or value < 1:
-        raise UserError(f"{name} must be an int of at least 1, not {value!r}")
+def check_count(name: str, value, least: int = 1) -> None:
+    """An argument that counts something: an int of at least `least`."""
+    if type(value) is not int or value < least:
+        raise UserError(f"{name} must be an int of at least {least}, not {value!r}")
 
 
 class Tokenizer:
@@ -479,10 +475,9 @@ def load_model(path: str, device="cpu", dtype: torch.dtype | None = None,
                 state[name] = tensor
                 show_progress(f"loading {path}", len(state), len(tensors))
     found = {name: t.shape for name, t in state.items()}
-    mismatched = sorted(n for n in expected.keys() | found.keys()
-                        if expected.get(n) != found.get(n))
-    if mismatched:
-        raise UserError(f"{path}: weights do not match config.json ({mismatched[0]}); "
+    wrong = sorted(n for n in expected.keys() | found.keys() if expected.get(n) != found.get(n))
+    if wrong:
+        raise UserError(f"{path}: weights do not match config.json ({wrong[0]}); "
                         "convert again")
     # The loaded tensors themselves, no copy; every one is checked above. A tied lm_head is not
     # among them: it is the embedding again.
@@ -498,12 +493,11 @@ def load(path: str, device="cpu", dtype: torch.dtype | None = None, split=None) 
     """A converted checkpoint: its model (load_model), tokenizer, sampling defaults and stop
     tokens."""
     model = load_model(path, device, dtype, split)
-    tokenizer = Tokenizer(path)
     file = pathlib.Path(path, "generation_config.json")
     generation_config = read_json(file) if file.is_file() else {}
     sampling = SamplingParams.from_generation_config(generation_config)
     stop_ids = eos_ids(generation_config, file) | eos_ids(converted_config(path), "config.json")
-    return Checkpoint(model=model, tokenizer=tokenizer, sampling=sampling, stop_ids=stop_ids)
+    return Checkpoint(model=model, tokenizer=Tokenizer(path), sampling=sampling, stop_ids=stop_ids)
 
 
 class TextStream:
@@ -544,8 +538,8 @@ class TextStream:
 def report(stats: GenerationStats, rows: list[list[int]]) -> str:
     """The line on stderr after a generation: what came out, the time to first token, the first
     decode step (timed apart: compilation and graph capture happen there), the rate."""
-    line = f"{counted(sum(map(len, rows)), 'new token')} in {counted(len(rows), 'row')}"
-    line += f". Time to first token {stats.prefill_s:.3f} s"
+    tokens = counted(sum(map(len, rows)), "new token")
+    line = f"{tokens} in {counted(len(rows), 'row')}. Time to first token {stats.prefill_s:.3f} s"
     if stats.first_step_s:
         line += f"; the first decode step {stats.first_step_s:.2f} s"
     if stats.decode_steps:
@@ -595,10 +589,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cache-len", type=positive,
                         help="KV cache positions (default: prompt + max new tokens)")
     args = parser.parse_args(argv)
-    names = [spec.name for spec in dataclasses.fields(SamplingParams)]
-    given = [name for name in names if getattr(args, name) is not None]
     # The flags that replace the checkpoint's sampling defaults, checked now, before loading
-    args.sampling = {name: getattr(args, name) for name in given}
+    names = [spec.name for spec in dataclasses.fields(SamplingParams)]
+    args.sampling = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     SamplingParams(**args.sampling)
     if args.seed is not None and not 0 <= args.seed < 1 << 64:
         raise UserError(f"--seed {args.seed}: must be in [0, 2^64)")
@@ -620,10 +613,10 @@ def main(argv=None):
         run(parse_args(argv))
     except KeyboardInterrupt:  # what was generated is printed already
         sys.exit(130)
-    except Exception as e:
+    except USER_ERRORS as e:
         # Under torchrun every rank reads the same flags and files: rank 0 alone says what is wrong
         # with them. Anything else (a traceback) is printed by the rank where it happens.
-        if os.environ.get("RANK", "0") != "0" and isinstance(e, (UserError, OSError)):
+        if os.environ.get("RANK", "0") != "0":
             sys.exit(1)
         exit_on(e)
 
@@ -646,10 +639,9 @@ def run(args: argparse.Namespace) -> None:
     sampling = dataclasses.replace(checkpoint.sampling, **args.sampling)
     tokenizer = checkpoint.tokenizer
     if args.chat:
-        thinking = not args.no_think
         system = [{"role": "system", "content": args.system}] if args.system else []
         turns = [[*system, {"role": "user", "content": text}] for text in texts]
-        texts = [tokenizer.chat(messages, thinking=thinking) for messages in turns]
+        texts = [tokenizer.chat(messages, thinking=not args.no_think) for messages in turns]
     prompts = [tokenizer.encode(text) for text in texts]
     # Too long for the model: setup_cache says so
     capacity = args.cache_len or max(map(len, prompts)) + args.max_new_tokens

@@ -30,7 +30,8 @@ class ModelArgs:
     num_hidden_layers: int = 28
     num_attention_heads: int = 16
     num_key_value_heads: int = 8
-    head_dim: int = 128  # its own setting: 0.6B's heads are 128 wide, not 1,024 / 16
+    # its own setting: 0.6B's heads are 128 wide, not 1,024 / 16
+    head_dim: int = 128
     vocab_size: int = 151936
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1e6
@@ -38,7 +39,8 @@ class ModelArgs:
     yarn: dict = field(default_factory=dict)
     max_position_embeddings: int = 40960
     tie_word_embeddings: bool = False
-    num_experts: int = 0  # MoE: experts per sparse layer; 0 for a dense model
+    # MoE: experts per sparse layer; 0 for a dense model
+    num_experts: int = 0
     num_experts_per_tok: int = 8
     moe_intermediate_size: int = 768
     norm_topk_prob: bool = False
@@ -55,7 +57,8 @@ class ModelArgs:
         args = cls(**{key: value for key, value in config.items() if key in names})
         # transformers 5 writes the hub's num_experts as num_local_experts
         args.num_experts = config.get("num_local_experts", args.num_experts)
-        if config.get("head_dim") is None:  # older configs: heads split the hidden size
+        # older configs: heads split the hidden size
+        if config.get("head_dim") is None:
             args.head_dim = args.hidden_size // args.num_attention_heads
         # RoPE: rope_parameters (transformers 5), else rope_theta and rope_scaling (older configs)
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
@@ -63,7 +66,8 @@ class ModelArgs:
         if rope.get("rope_type", rope.get("type")) == "yarn":
             named = ("rope_type", "type", "rope_theta")
             args.yarn = {key: value for key, value in rope.items() if key not in named}
-        if args.yarn:  # YaRN stretches the original context by its factor
+        # YaRN stretches the original context by its factor
+        if args.yarn:
             original = args.yarn.get("original_max_position_embeddings", 0)
             extended = int(original * args.yarn.get("factor", 1.0))
             args.max_position_embeddings = max(args.max_position_embeddings, extended)
@@ -83,7 +87,8 @@ def rope_frequencies(args: ModelArgs) -> tuple[Tensor, float]:
     ln(factor) + 1 unless it is given an attention_factor."""
     dim = args.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.float) / dim
-    wavelengths = args.rope_theta ** exponents  # over 2 pi: (dim / 2,)
+    # over 2 pi: (dim / 2,)
+    wavelengths = args.rope_theta ** exponents
     original = 1.0 / wavelengths
     yarn = args.yarn
     if not yarn:
@@ -100,10 +105,12 @@ def rope_frequencies(args: ModelArgs) -> tuple[Tensor, float]:
     low = max(math.floor(dimension(yarn.get("beta_fast") or 32)), 0)
     high = min(math.ceil(dimension(yarn.get("beta_slow") or 1)), dim - 1)
     if high == low:
-        high += 0.001  # as transformers: no division by zero
+        # as transformers: no division by zero
+        high += 0.001
     # 0 below `low` (the original frequency), 1 above `high` (the interpolated one)
     ramp = ((torch.arange(dim // 2, dtype=torch.float) - low) / (high - low)).clamp(0, 1)
-    interpolated = 1.0 / (factor * wavelengths)  # transformers' rounding
+    # transformers' rounding
+    interpolated = 1.0 / (factor * wavelengths)
     return interpolated * ramp + original * (1 - ramp), scale
 
 
@@ -154,11 +161,15 @@ class StaticKVCache(nn.Module):
 @dataclass
 class ForwardContext:
     """What every layer needs to know about one forward's tokens besides their activations."""
-    positions: Tensor  # (R, T) the tokens' absolute positions: the grid of rows and tokens
-    cos: Tensor  # (R, T, 1, head_dim) RoPE at those positions
+    # (R, T) the tokens' absolute positions: the grid of rows and tokens
+    positions: Tensor
+    # (R, T, 1, head_dim) RoPE at those positions
+    cos: Tensor
     sin: Tensor
-    mask: Tensor | None  # (R, 1, T, kv_len), True where a query may attend; None: causal
-    kv_len: int  # the attended prefix of the cache
+    # (R, 1, T, kv_len), True where a query may attend; None: causal
+    mask: Tensor | None
+    # the attended prefix of the cache
+    kv_len: int
 
 
 class Attention(nn.Module):
@@ -175,17 +186,20 @@ class Attention(nn.Module):
         self.kv_cache: StaticKVCache | None = None
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
-        qkv = self.qkv_proj(x)  # (R, T, (heads + 2 kv_heads) x head_dim)
+        # (R, T, (heads + 2 kv_heads) x head_dim)
+        qkv = self.qkv_proj(x)
         # (R, T, heads + 2 kv_heads, head_dim)
         heads = qkv.unflatten(-1, (-1, self.head_dim))
         q, k, v = heads.split([self.n_heads, self.n_kv, self.n_kv], dim=2)
         q = apply_rope(self.q_norm(q), ctx.cos, ctx.sin)
         k = apply_rope(self.k_norm(k), ctx.cos, ctx.sin)
         keys, values = self.kv_cache.update(ctx.positions, k, v, ctx.kv_len)
+        # (R, heads, T, head_dim)
         y = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys, values, attn_mask=ctx.mask,
-            is_causal=ctx.mask is None, enable_gqa=True)  # (R, heads, T, head_dim)
-        y = y.transpose(1, 2).flatten(2)  # (R, T, heads x head_dim)
+            is_causal=ctx.mask is None, enable_gqa=True)
+        # (R, T, heads x head_dim)
+        y = y.transpose(1, 2).flatten(2)
         return self.o_proj(y)
 
 
@@ -212,19 +226,22 @@ class MoE(nn.Module):
         super().__init__()
         self.top_k = args.num_experts_per_tok
         self.norm_topk_prob = args.norm_topk_prob
-        self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)  # the router
+        # the router
+        self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)
         self.experts = Experts(args)
 
     def forward(self, x: Tensor) -> Tensor:
-        tokens = x.flatten(0, 1)  # (R x T, hidden)
+        # (R x T, hidden)
+        tokens = x.flatten(0, 1)
         probs = self.gate(tokens).softmax(-1, dtype=torch.float)
-        weights, picked = probs.topk(self.top_k)  # (tokens, top_k)
+        # (tokens, top_k)
+        weights, picked = probs.topk(self.top_k)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
-        y = self.experts(tokens, picked)  # (tokens, top_k, hidden)
-        # Rounded to x's dtype before the product, as transformers does
-        weighted = y * weights[..., None].to(x.dtype)
-        return weighted.sum(1).view_as(x)
+        # (tokens, top_k, hidden)
+        y = self.experts(tokens, picked)
+        # The weights rounded to x's dtype before the product, as transformers does
+        return (y * weights[..., None].to(x.dtype)).sum(1).view_as(x)
 
 
 class Experts(nn.Module):
@@ -236,7 +253,8 @@ class Experts(nn.Module):
         count, inner = args.num_experts, args.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(count, 2 * inner, args.hidden_size))
         self.down_proj = nn.Parameter(torch.empty(count, args.hidden_size, inner))
-        self.grouped_mm = False  # set by Transformer.setup_cache (see expert_products)
+        # set by Transformer.setup_cache (see expert_products)
+        self.grouped_mm = False
 
     def weights(self, dtype) -> tuple[Tensor, Tensor]:
         """gate_up_proj and down_proj as the products read them (quantize.py's int8 experts
@@ -248,13 +266,14 @@ class Experts(nn.Module):
         top_k, hidden)."""
         gate_up, down = self.weights(tokens.dtype)
         # The (token, pick) pairs, sorted by expert so that each expert's pairs are one run of rows
-        row_experts, order = picked.flatten().sort()  # (pairs,)
-        rows = tokens[order // picked.shape[1]]  # (pairs, hidden): each pair's token
+        # (pairs,)
+        row_experts, order = picked.flatten().sort()
+        # (pairs, hidden): each pair's token
+        rows = tokens[order // picked.shape[1]]
         gate, up = expert_products(rows, gate_up, row_experts, self.grouped_mm).chunk(2, dim=-1)
         y = expert_products(F.silu(gate) * up, down, row_experts, self.grouped_mm)
-        unsorted = torch.empty_like(y)
-        unsorted[order] = y  # back in (token, pick) order
-        return unsorted.unflatten(0, picked.shape)
+        # Back in (token, pick) order: pair i is sorted row order.argsort()[i]
+        return y[order.argsort()].unflatten(0, picked.shape)
 
 
 def expert_products(rows: Tensor, weight: Tensor, row_experts: Tensor, grouped_mm: bool) -> Tensor:
@@ -271,12 +290,15 @@ def expert_products(rows: Tensor, weight: Tensor, row_experts: Tensor, grouped_m
     bf16_or_eager = rows.dtype == torch.bfloat16 or not torch.compiler.is_compiling()
     if grouped_mm and bf16_or_eager:
         experts = torch.arange(len(weight), device=rows.device)
-        ends = torch.searchsorted(row_experts, experts, right=True)  # (experts,)
+        # (experts,)
+        ends = torch.searchsorted(row_experts, experts, right=True)
         return torch._grouped_mm(rows, weight.transpose(1, 2), offs=ends.int())
     if len(rows) <= len(weight):
-        picked = weight[row_experts]  # (pairs, N, K)
+        # (pairs, N, K)
+        picked = weight[row_experts]
         return torch.bmm(picked, rows[:, :, None])[:, :, 0]
-    every = torch.einsum("pk,enk->pen", rows, weight)  # (pairs, experts, N)
+    # (pairs, experts, N)
+    every = torch.einsum("pk,enk->pen", rows, weight)
     pairs = torch.arange(len(rows), device=rows.device)
     return every[pairs, row_experts]
 
@@ -301,14 +323,15 @@ class Transformer(nn.Module):
         self.args = args
         # An empty weight: nn.Embedding's own random init would load torch._dynamo (seconds) to run
         # on the meta device, where checkpoints are built, and a checkpoint replaces it anyway
-        empty = torch.empty(args.vocab_size, args.hidden_size)
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, _weight=empty)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size,
+                                         _weight=torch.empty(args.vocab_size, args.hidden_size))
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_hidden_layers))
         self.norm = nn.RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("rope_cos", None, persistent=False)  # from setup_cache
+        # from setup_cache
+        self.register_buffer("rope_cos", None, persistent=False)
 
     def setup_cache(self, slots: int, capacity: int):
         """Allocates a StaticKVCache per layer and the RoPE tables for positions [0, capacity)."""
@@ -330,13 +353,13 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin.to(device, dtype), persistent=False)
         key_positions = torch.arange(capacity, device=device)
         self.register_buffer("key_positions", key_positions, persistent=False)
+        # Where torch._grouped_mm has kernels (see expert_products): the CPU, and Hopper and
+        # Blackwell in bf16. On CUDA before Hopper it loops over the experts reading where each
+        # one's rows end on the host, which a CUDA graph can't hold.
         on_cpu = device.type == "cpu"
-        sm = (0, 0) if on_cpu else torch.cuda.get_device_capability(device)
-        # Where torch._grouped_mm has kernels (see expert_products); on CUDA before Hopper it loops
-        # over the experts reading where each one's rows end on the host, which a CUDA graph can't
-        # hold
-        bf16 = dtype == torch.bfloat16 and (on_cpu or sm[0] in (9, 10))
-        grouped_mm = bf16 or (on_cpu and dtype == torch.float32)
+        sm = 0 if on_cpu else torch.cuda.get_device_capability(device)[0]
+        hopper_bf16 = sm in (9, 10) and dtype == torch.bfloat16
+        grouped_mm = hopper_bf16 or (on_cpu and dtype != torch.float16)
         for module in self.modules():
             if isinstance(module, Experts):
                 module.grouped_mm = grouped_mm
@@ -375,5 +398,6 @@ class Transformer(nn.Module):
         for layer in self.layers:
             x = layer(x, ctx)
         if logits_at is not None:
-            x = x.take_along_dim(logits_at[..., None], dim=1)  # (R, 1, hidden)
+            # (R, 1, hidden)
+            x = x.take_along_dim(logits_at[..., None], dim=1)
         return self.lm_head(self.norm(x))

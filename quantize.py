@@ -103,7 +103,7 @@ def main(argv=None):
     except KeyboardInterrupt:
         print("interrupted: nothing was written", file=sys.stderr)
         sys.exit(130)
-    except Exception as e:
+    except convert.USER_ERRORS as e:
         convert.exit_on(e)
 
 

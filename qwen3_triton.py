@@ -25,7 +25,8 @@ def forward_one_token(model: Transformer, tokens: Tensor, positions: Tensor,
     picked experts' gate-up and down). Where tp.py split the model (model.tensor_parallel), o_proj
     and down sum the ranks' shares."""
     split = getattr(model, "tensor_parallel", None)
-    x = model.embed_tokens(tokens)  # (1, 1, hidden)
+    # (1, 1, hidden)
+    x = model.embed_tokens(tokens)
     for layer in model.layers:
         attn = layer.self_attn
         qkv = product(weights(attn.qkv_proj), x, norm=layer.input_layernorm)
@@ -36,7 +37,8 @@ def forward_one_token(model: Transformer, tokens: Tensor, positions: Tensor,
         norm = layer.post_attention_layernorm
         mlp = layer.mlp
         moe = isinstance(mlp, MoE)
-        if moe:  # the router's logits (experts,) pick the experts in the kernels
+        # the router's logits (experts,) pick the experts in the kernels
+        if moe:
             router = product(weights(mlp.gate), x, norm=norm).view(-1)
             routing = dict(router=router, top_k=mlp.top_k, norm_topk_prob=mlp.norm_topk_prob)
             gate_up_proj, down_proj = expert_weights(mlp.experts)
@@ -113,7 +115,8 @@ def _gemv(x, weight, scale, norm, res, out, router, N, K, x_row, eps: tl.constex
     # 0x80 are 2^23 + 128 + its value): a conversion instruction per byte would be the limit.
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     j = tl.program_id(1)
-    KW = K // PACK  # weight words per row
+    # weight words per row
+    KW = K // PACK
     y = tl.zeros([BN], tl.float32)
     expert = 0
     if EXPERTS:
@@ -137,7 +140,8 @@ def _gemv(x, weight, scale, norm, res, out, router, N, K, x_row, eps: tl.constex
                 if GATED:
                     up = tl.load(xt + K + k, mask=k < K, other=0.0).to(tl.float32)
                     a = a * tl.sigmoid(a) * up
-                if NORM:  # 1/rms is applied at the end: it scales every output alike
+                # 1/rms is applied at the end: it scales every output alike
+                if NORM:
                     squares += a * a
                     a = a * tl.load(norm + k, mask=k < K, other=0.0).to(tl.float32)
                 if PACK == 4:
@@ -163,15 +167,18 @@ def _gemv(x, weight, scale, norm, res, out, router, N, K, x_row, eps: tl.constex
 # Launch configurations of _gemv by what it fuses into its input and how its weights are stored,
 # from sweeps on the H200 over the shapes of 0.6B, 8B and 30B-A3B, weighted by their count in a step
 # (bench/RESULTS.md): more rows per program where the work on x costs more, or for int8.
-GEMV_CONFIGS = {  # BN: weight rows per program, BK: weight words per block
+# BN: weight rows per program, BK: weight words per block
+GEMV_CONFIGS = {
     ("norm", "float"): dict(BN=8, BK=512, num_warps=2),
     ("gated", "float"): dict(BN=8, BK=1024, num_warps=4),
     ("plain", "float"): dict(BN=2, BK=1024, num_warps=4),
     ("norm", "int8"): dict(BN=16, BK=128, num_warps=4),
     ("gated", "int8"): dict(BN=8, BK=512, num_warps=8),
     ("plain", "int8"): dict(BN=8, BK=512, num_warps=4),
-    ("picked", "float"): dict(BN=16, BK=256, num_warps=1),  # MoE gate-up, 30B-A3B's shapes
-    ("routed", "float"): dict(BN=4, BK=1024, num_warps=4),  # MoE down
+    # MoE gate-up, 30B-A3B's shapes
+    ("picked", "float"): dict(BN=16, BK=256, num_warps=1),
+    # MoE down
+    ("routed", "float"): dict(BN=4, BK=1024, num_warps=4),
     ("picked", "int8"): dict(BN=32, BK=128, num_warps=4),
     ("routed", "int8"): dict(BN=8, BK=256, num_warps=4),
 }
@@ -264,7 +271,8 @@ def _attention(qkv, cache_k, cache_v, pos, cos, sin, q_norm, k_norm, partial, ls
     # p, the query's (the cost follows the live length, not the cache's), and writes the normalised
     # partial output and its log-sum-exp for _merge. The split whose share holds p first writes the
     # new key (normalised and rotated) and value there; no other program reads position p.
-    r, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # row, kv head, split
+    # row, kv head, split
+    r, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g = tl.arange(0, G)
     d = tl.arange(0, D)
     d_mask = d < HEAD_DIM
@@ -276,7 +284,8 @@ def _attention(qkv, cache_k, cache_v, pos, cos, sin, q_norm, k_norm, partial, ls
     row = qkv + r * qkv_row
     q_rows = (h * GROUP + g) * HEAD_DIM
     qt = _norm_rope(row, q_rows, g < GROUP, q_norm, cs, sn, eps, HEAD_DIM, D)
-    qt = qt.to(cache_k.dtype.element_ty)  # rounded as the model's activations are
+    # rounded as the model's activations are
+    qt = qt.to(cache_k.dtype.element_ty)
     cache = r * k_row + h * k_head
     chunk = tl.cdiv(tl.cdiv(p + 1, SPLITS), BLOCK) * BLOCK
     lo = s * chunk
@@ -292,7 +301,8 @@ def _attention(qkv, cache_k, cache_v, pos, cos, sin, q_norm, k_norm, partial, ls
         # The stores are seen by all of this program's threads before the loads
         tl.debug_barrier()
     m = tl.full([G], -1e30, tl.float32)
-    total = tl.zeros([G], tl.float32)  # the softmax's denominator so far
+    # the softmax's denominator so far
+    total = tl.zeros([G], tl.float32)
     acc = tl.zeros([G, D], tl.float32)
     for start in range(lo, hi, BLOCK):
         j = start + tl.arange(0, BLOCK)
@@ -308,11 +318,13 @@ def _attention(qkv, cache_k, cache_v, pos, cos, sin, q_norm, k_norm, partial, ls
         total = total * alpha + tl.sum(e, axis=1)
         acc = acc * alpha[:, None] + tl.dot(e.to(vt.dtype), vt, input_precision="ieee")
         m = m_new
-    out = (r * H + h * GROUP + g) * SPLITS + s  # index into (rows, heads, SPLITS)
+    # index into (rows, heads, SPLITS)
+    out = (r * H + h * GROUP + g) * SPLITS + s
     normalised = acc / tl.where(total > 0, total, 1.0)[:, None]
     out_mask = (g[:, None] < GROUP) & d_mask[None, :]
     tl.store(partial + out[:, None] * HEAD_DIM + d[None, :], normalised, mask=out_mask)
-    tl.store(lse + out, m + tl.log(total), mask=g < GROUP)  # -inf for an empty split
+    # -inf for an empty split
+    tl.store(lse + out, m + tl.log(total), mask=g < GROUP)
 
 
 @triton.jit
@@ -348,7 +360,8 @@ def decode_attention(qkv: Tensor, cache_k: Tensor, cache_v: Tensor, positions: T
     _, kv_heads, _, head_dim = cache_k.shape
     partial = torch.empty(rows, heads, splits, head_dim, dtype=torch.float32, device=qkv.device)
     lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=qkv.device)
-    D = max(16, triton.next_power_of_2(head_dim))  # tl.dot wants blocks of at least 16
+    # tl.dot wants blocks of at least 16
+    D = max(16, triton.next_power_of_2(head_dim))
     group = heads // kv_heads
     k_row, k_head, k_pos, _ = cache_k.stride()
     _attention[(rows, kv_heads, splits)](
@@ -369,7 +382,8 @@ def _(qkv, cache_k, cache_v, positions, cos, sin, q_norm, k_norm, eps, heads, kv
 # The sampler: the top-k candidates of each row in two stages (the K largest of each chunk of
 # SAMPLE_CHUNK logits, then the K largest of those), then top-p and the Gumbel-max draw over them.
 SAMPLE_CHUNK = 2048
-MAX_TOP_K = 64  # larger top-k filters sample with PyTorch's ops
+# larger top-k filters sample with PyTorch's ops
+MAX_TOP_K = 64
 
 
 @triton.jit
@@ -422,7 +436,8 @@ def _draw(top, top_ids, count, noise, out, inv_temperature, top_p, K: tl.constex
     if TOP_P:
         e = tl.exp(scores - tl.max(scores, axis=0))
         probs = e / tl.sum(e, axis=0)
-        before = tl.cumsum(probs, axis=0) - probs  # the mass of the candidates ahead of each
+        # the mass of the candidates ahead of each
+        before = tl.cumsum(probs, axis=0) - probs
         scores = tl.where(before >= top_p, float("-inf"), scores)
     u = tl.load(noise + r * K + rank, mask=rank < K, other=0.5)
     gumbel = scores - tl.log(-tl.log(u))

@@ -32,7 +32,6 @@ import gc
 import json
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 import tempfile
