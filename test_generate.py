@@ -390,6 +390,29 @@ def test_the_natural_decode_call_gives_the_whole_sequences_logits(checkpoint, re
             assert torch.allclose(logits, whole[:, -1], atol=1e-5), step
 
 
+@needs_cuda
+@pytest.mark.parametrize("mode", ["eager", "compile", "graph"])
+@pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe"])
+def test_cuda_the_natural_decode_call_in_every_mode(checkpoint, mode, request):
+    """On CUDA (fp32), model(token, positions) after a prefill, eagerly, under torch.compile
+    (reduce-overhead) and as our CUDA graphs: the logits of a prefill of the whole sequence."""
+    path = request.getfixturevalue(checkpoint)
+    model = load(path, capacity=64, device="cuda")
+    prompt = torch.tensor([[5, 3, 9, 27, 4, 11, 2, 8]], device="cuda")
+    token, position = torch.tensor([[7]], device="cuda"), torch.tensor([[8]], device="cuda")
+    out = torch.empty(1, VOCAB, device="cuda")
+
+    def step():
+        out.copy_(model(token, position)[:, -1])
+    run = {"eager": step, "compile": torch.compile(step, mode="reduce-overhead", fullgraph=True),
+           "graph": G.CUDAGraphs(step)}[mode]
+    with torch.no_grad():
+        model(prompt)
+        run()
+        whole = load(path, capacity=64, device="cuda")(torch.cat([prompt, token], 1))[:, -1]
+    assert torch.allclose(out, whole, atol=1e-5)
+
+
 def test_a_shorter_attended_prefix_is_faster_never_wrong(tiny):
     """kv_len, the attended prefix, gives the whole cache's logits where it covers every position
     given, and is refused where it doesn't (a query would miss its own key)."""
@@ -2413,6 +2436,7 @@ def test_the_line_budget_by_file():
     stated = dict(re.findall(r"^\| `(\w+\.py)` \| ([\d,]+) \|", readme, re.MULTILINE))
     assert {f: int(n.replace(",", "")) for f, n in stated.items()} == counts, stated
     assert f"| the three together | {card:,} |" in readme
+    assert len(readme.encode()) <= 12 * 1024  # a user's document; bench/RESULTS.md is the lab log
 
 
 def test_the_library_reads_at_the_anchors_density():
