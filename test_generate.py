@@ -2122,6 +2122,33 @@ def test_tensor_parallel_a_world_that_does_not_split_the_model_is_one_line(tiny)
         "error: 3 processes can't split this model: use one of [1, 2, 4]"], r.stderr[-2000:]
 
 
+def test_tensor_parallel_a_ranks_own_failure_reaches_its_stderr(tmp_path):
+    """A failure on rank 1 alone (not a bad flag or file, which rank 0 reports): its traceback on
+    rank 1's stderr, which tp.start leaves as it is."""
+    script = tmp_path / "fail.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {HERE!r})
+        import tp
+        split = tp.start(torch.device("cpu"))
+        if split.rank == 1:
+            raise RuntimeError("rank 1 alone fails")"""))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               str(script)]
+    r = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode != 0 and "RuntimeError: rank 1 alone fails" in r.stderr, r.stderr[-2000:]
+
+
+def test_the_converter_imports_no_generator_fast_path_or_tp():
+    """convert_hf_checkpoint.py reads and writes checkpoints: model.py and safetensors, no more."""
+    ours = "{'generate', 'qwen3_triton', 'tp', 'triton', 'quantize'}"
+    code = f"import sys, convert_hf_checkpoint\nassert not {ours} & set(sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+
+
 def test_tensor_parallel_cli_streams_from_rank_0_alone(tiny):
     """torchrun --nproc-per-node 2 generate.py: the text once, the report once, as one process."""
     args = ["--device", "cpu", "--checkpoint", tiny, "--prompt", "hi", "--max-new-tokens", "12",
