@@ -16,11 +16,10 @@ checks of config.json, the safetensors index, the one-line errors.
 import argparse
 import contextlib
 import dataclasses
-import glob
 import json
+import math
 import os
 import pathlib
-import re
 import shutil
 import signal
 import sys
@@ -37,6 +36,12 @@ except KeyboardInterrupt:  # Ctrl-C while torch loads: nothing written, nothing 
 
 class UserError(Exception):
     """Bad input: the command-line tools print it as one line instead of a traceback."""
+
+
+def require(condition: bool, message: str) -> None:
+    """Refuses bad input: a UserError with `message` unless `condition`."""
+    if not condition:
+        raise UserError(message)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -58,9 +63,8 @@ def read_json(path) -> dict:
         value = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:  # ValueError: not UTF-8, or not JSON
         raise UserError(f"{path}: not a readable JSON file ({e})") from None
-    if not isinstance(value, dict):
-        kind = type(value).__name__
-        raise UserError(f"{path}: not a JSON object but {kind}; download or convert it again")
+    kind = type(value).__name__
+    require(kind == "dict", f"{path}: not a JSON object but {kind}; download or convert it again")
     return value
 
 
@@ -77,10 +81,10 @@ def list_tensors(directory, pattern: str) -> dict[str, str]:
     it, read from the headers alone. A name in two files is refused: which one holds the weight is
     anyone's guess."""
     files = sorted(pathlib.Path(directory).glob(pattern))
-    if not files:
-        raise UserError(f"{directory}: no {pattern} files; download or convert it again")
+    require(files, f"{directory}: no {pattern} files; download or convert it again")
     tensors = {}
     for file in files:
+        require(os.access(file, os.R_OK), f"{file}: not readable by you (its permissions)")
         try:
             with safe_open(file, "pt") as opened:
                 names = list(opened.keys())
@@ -107,29 +111,39 @@ SUPPORTED = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 # The JSON types a config.json value may have, by the type of its ModelArgs field. A bool is no int
 # here.
 CONFIG_TYPES = {int: (int,), float: (int, float), bool: (bool,), list[int]: (list,), dict: (dict,)}
-# What config.json must give, each above 0: no default is safe for these
+# What config.json must give: no default is safe for these
 REQUIRED = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "vocab_size", "rms_norm_eps", "max_position_embeddings"]
+# The numbers that must be above 0 for the model to be defined, whether config.json gives them or
+# not
+POSITIVE = [*REQUIRED, "head_dim", "rope_theta", "num_experts_per_tok", "moe_intermediate_size",
+            "decoder_sparse_step"]
+# YaRN's numbers, each above 0 where given: its formula takes their logarithms or divides by them
+YARN_POSITIVE = ["factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                 "attention_factor"]
 
 
 def model_args(config: dict) -> ModelArgs:
     """The model of a config.json, a Hugging Face one or ours, refused in one line where its values
-    describe none we run."""
+    describe none we run: of the wrong type, not finite, or out of the bounds the model needs."""
     architecture = (config.get("architectures") or ["Qwen3ForCausalLM"])[0]
     model_type = config.get("model_type", "qwen3")
-    if SUPPORTED.get(architecture) != model_type:
-        raise UserError(f"{architecture} (model_type {model_type}) is not Qwen3: not supported")
-    if config.get("use_sliding_window"):
-        raise UserError("config.json: sliding-window attention is not supported")
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if not isinstance(rope, dict):
-        raise UserError(f"config.json: rope_parameters is {rope!r}, not an object")
+    supported = SUPPORTED.get(architecture) == model_type
+    require(supported, f"{architecture} (model_type {model_type}) is not Qwen3: not supported")
+    windowed = config.get("use_sliding_window")
+    require(not windowed, "config.json: sliding-window attention is not supported")
+    settings = [config.get(name) for name in ("rope_parameters", "rope_scaling")]
+    if all(settings) and settings[0] != settings[1]:
+        raise UserError("config.json: rope_parameters and rope_scaling disagree: keep one")
+    rope = settings[0] or settings[1] or {}
+    require(isinstance(rope, dict), f"config.json: rope_parameters is {rope!r}, not an object")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "yarn"):
         raise UserError(f"rope type {rope_type} is not supported: only default RoPE and YaRN")
     yarn = {key: value for key, value in rope.items() if key not in ("rope_type", "type")}
-    if rope_type == "yarn" and not all(type(v) in (int, float, bool) for v in yarn.values()):
-        raise UserError(f"config.json: YaRN parameters {yarn} are not all numbers")
+    numbers = all(type(v) in (int, float, bool) and math.isfinite(v) for v in yarn.values())
+    require(rope_type != "yarn" or numbers, f"config.json: YaRN parameters {yarn} are not all "
+            "finite numbers")
     given = {**config, "rope_theta": rope.get("rope_theta", config.get("rope_theta"))}
     given["num_experts"] = config.get("num_local_experts", config.get("num_experts"))
     for spec in dataclasses.fields(ModelArgs):
@@ -138,12 +152,27 @@ def model_args(config: dict) -> ModelArgs:
             raise UserError(f"config.json: {name} is missing; download or convert it again")
         if value is None:
             continue
-        kinds = CONFIG_TYPES[spec.type]
-        if type(value) not in kinds or (type(value) is int and value < 0):
+        # NaN and infinity make no model
+        finite = type(value) not in (int, float) or math.isfinite(value)
+        negative_int = type(value) is int and value < 0
+        if type(value) not in CONFIG_TYPES[spec.type] or not finite or negative_int:
             raise UserError(f"config.json: {name} is {value!r}, not a valid value")
-        if name in (*REQUIRED, "rope_theta") and value <= 0:
-            raise UserError(f"config.json: {name} is {value!r}; it must be above 0")
-    return ModelArgs.from_config(config)
+    # The bounds the model's formulas need
+    args = ModelArgs.from_config(config)
+    for name in POSITIVE:
+        value = getattr(args, name)
+        require(value > 0, f"config.json: {name} is {value!r}; it must be above 0")
+    if args.num_experts and args.num_experts_per_tok > args.num_experts:
+        raise UserError(f"config.json: num_experts_per_tok {args.num_experts_per_tok} is over "
+                        f"num_experts {args.num_experts}")
+    if args.num_attention_heads % args.num_key_value_heads:
+        raise UserError("config.json: num_attention_heads is no multiple of num_key_value_heads")
+    if args.yarn and args.rope_theta <= 1:
+        raise UserError(f"config.json: rope_theta is {args.rope_theta!r}; YaRN needs it above 1")
+    for name in YARN_POSITIVE:
+        value = args.yarn.get(name, 1)
+        require(value > 0, f"config.json: YaRN's {name} is {value!r}; it must be above 0")
+    return args
 
 
 def eos_ids(config: dict, file: str) -> set[int]:
@@ -159,8 +188,7 @@ def eos_ids(config: dict, file: str) -> set[int]:
 def converted_config(path) -> dict:
     """The config.json of a directory that this converter wrote, refused if it isn't one."""
     config = pathlib.Path(path, "config.json")
-    if not config.is_file():
-        raise UserError(f"{path}: no converted checkpoint; convert_hf_checkpoint.py writes one")
+    require(config.is_file(), f"{path}: no converted checkpoint; the converter makes one")
     config = read_json(config)
     if "quantization" not in config:  # every config.json our converter writes has it
         raise UserError(f"{path} is a Hugging Face snapshot: convert it first "
@@ -219,8 +247,7 @@ def snapshot_args(src: pathlib.Path) -> tuple[ModelArgs, dict]:
     config = read_json(src / "config.json")
     if "quantization_config" in config:
         raise UserError(f"{src}: quantized snapshots are not supported: use the bf16 one")
-    if "quantization" in config:
-        raise UserError(f"{src}: already converted; convert its Hugging Face snapshot")
+    require("quantization" not in config, f"{src}: already converted; convert its snapshot")
     args = model_args(config)
     eos = sorted(eos_ids(config, "config.json"))
     ours = dict(dataclasses.asdict(args), eos_token_id=eos, quantization=None)
@@ -230,8 +257,7 @@ def snapshot_args(src: pathlib.Path) -> tuple[ModelArgs, dict]:
 def joined(src: pathlib.Path, name: str, parts: list[str], files: dict, meta) -> torch.Tensor:
     """Our tensor `name`, of meta's shape, from its Hugging Face parts."""
     missing = [hf for hf in parts if hf not in files]
-    if missing:
-        raise UserError(f"{src}: the checkpoint lacks {missing[0]}")
+    require(not missing, f"{src}: the checkpoint lacks {', '.join(missing)}")
     tensors = [read_tensor(files[hf], hf) for hf in parts]
     # Stacked experts: every part has one shape, so name the one that differs
     if meta.dim() == 3:
@@ -292,11 +318,14 @@ def write_checkpoint(out: str, tensors, count: int, config: dict, src: pathlib.P
     (name, tensor) pairs, in shards of about shard_bytes; config.json;
     the tokenizer files copied from `src`. Written beside it and renamed when complete: nothing
     that exists is replaced, and an error or a signal leaves nothing behind."""
+    require(str(out).strip() != "", "--output is empty: name a new directory")
     out = pathlib.Path(os.path.abspath(out))  # "." has no name to put beside it
-    if out.exists():  # the source, ".", an old conversion, an empty directory...
-        raise UserError(f"{out} exists: choose another --output (nothing is replaced)")
-    remove_leftovers(out)
-    tmp = out.with_name(f".converting-{out.name}-{os.getpid()}")  # beside it, hidden
+    # the source, ".", an old conversion, an empty directory...
+    require(not out.exists(), f"{out} exists: choose another --output (nothing is replaced)")
+    # Hidden, beside it: a second conversion to `out` finds it and stops before any work
+    tmp = out.with_name(f".converting-{out.name}")
+    require(not tmp.exists(), f"{tmp} exists: another conversion to {out} is running, or was "
+            "killed outright (SIGKILL, out of memory): remove it if none runs")
     # Read by setting it: the shards get 0666 less it, as the snapshot's files
     umask = os.umask(0)
     os.umask(umask)
@@ -327,32 +356,6 @@ def write_checkpoint(out: str, tensors, count: int, config: dict, src: pathlib.P
             with contextlib.suppress(OSError):
                 directory.rmdir()
         raise
-
-
-def remove_leftovers(out: pathlib.Path) -> None:
-    """Removes what earlier conversions to `out` left when killed outright (SIGKILL, the OOM
-    killer: no clean-up runs): a hidden directory named for a process that is gone, holding nothing
-    but files we write. Anything else stays."""
-    names = ["model-\\d{5}\\.safetensors", "config\\.json", *map(re.escape, COPIED)]
-    ours = re.compile("|".join(names))
-    for leftover in out.parent.glob(f".converting-{glob.escape(out.name)}-*"):
-        pid = leftover.name.rsplit("-", 1)[-1]
-        if leftover.is_symlink() or not leftover.is_dir() or running(pid):
-            continue
-        if all(ours.fullmatch(file.name) and file.is_file() for file in leftover.iterdir()):
-            shutil.rmtree(leftover)
-            print(f"removed {leftover}, left by a conversion that was killed", file=sys.stderr)
-
-
-def running(pid: str) -> bool:
-    """Whether process `pid` may exist: anything but a number of no process counts as running."""
-    try:
-        os.kill(int(pid), 0)  # signal 0: nothing is sent, the process is only looked up
-    except ProcessLookupError:
-        return False
-    except (ValueError, OSError):  # not a number, or someone else's process
-        return True
-    return True
 
 
 def stop_on_signals() -> None:
@@ -390,7 +393,7 @@ def main(argv=None):
     try:
         args = parser.parse_args(argv)
         name = "converted-int8" if args.int8 else "converted"
-        out = args.output or os.path.join(args.checkpoint_dir, name)
+        out = os.path.join(args.checkpoint_dir, name) if args.output is None else args.output
         convert(args.checkpoint_dir, out, args.int8, args.shard_size_mb << 20)
         print(f"wrote {out}", flush=True)
     except KeyboardInterrupt:

@@ -21,7 +21,7 @@ try:
     from convert_hf_checkpoint import (USER_ERRORS, ArgumentParser, UserError, checkpoint_tensors,
                                        converted_config, eos_ids, exit_on, list_tensors,
                                        model_args, positive, read_json, read_tokenizer,
-                                       show_progress, stop_on_signals)
+                                       require, show_progress, stop_on_signals)
     from model import Transformer
     # Optional files: int8 checkpoints, the Triton fast path (without it, or Triton, PyTorch's ops
     # run everywhere), tensor parallelism under torchrun
@@ -48,18 +48,16 @@ class SamplingParams:
     top_p: float = 1.0  # 1 keeps every token
 
     def __post_init__(self):
-        kinds = {"temperature": (int, float), "top_k": (int,), "top_p": (int, float)}
-        for name, kind in kinds.items():  # a bool is no number here
-            if type(getattr(self, name)) not in kind:
-                raise UserError(f"{name} {getattr(self, name)!r} is not a number")
+        # Each a number of its kind (a bool is none), then in its range; nan fails every comparison
+        temperature, top_k, top_p = self.temperature, self.top_k, self.top_p
         # Below 0.001, logits / temperature overflows fp32 (and would be greedy anyway)
-        if not (self.temperature == 0 or 1e-3 <= self.temperature < math.inf):
-            raise UserError(f"temperature {self.temperature!r}: must be 0 (greedy) or at least "
-                            "0.001")
-        if self.top_k < 0:
-            raise UserError(f"top_k {self.top_k!r}: must be >= 0 (0 keeps every token)")
-        if not 0 < self.top_p <= 1:  # nan fails every comparison
-            raise UserError(f"top_p {self.top_p!r}: must be in (0, 1]")
+        usable = type(temperature) in (int, float) and (temperature == 0 or temperature >= 1e-3)
+        require(usable and temperature < math.inf,
+                f"temperature {temperature!r}: must be 0 (greedy) or at least 0.001")
+        usable = type(top_k) is int and top_k >= 0
+        require(usable, f"top_k {top_k!r}: must be an int >= 0 (0 keeps every token)")
+        usable = type(top_p) in (int, float) and 0 < top_p <= 1
+        require(usable, f"top_p {top_p!r}: must be in (0, 1]")
 
     @classmethod
     def from_generation_config(cls, generation_config: dict) -> "SamplingParams":
@@ -184,11 +182,6 @@ class GenerationStats:
     decode_steps: int  # the steps timed in decode_s (each gives every row a token)
 
 
-def stop_index(tokens: list[int], stop_ids: set) -> int | None:
-    """Where the first stop token is in `tokens`, or None."""
-    return next((i for i, token in enumerate(tokens) if token in stop_ids), None)
-
-
 class Generator:
     """Prefill and the decode loop for up to `batch` prompts at once, in a cache of `capacity`
     positions. use_kernels: whether the Triton fast path runs (the one-token forward at batch 1, the
@@ -201,19 +194,21 @@ class Generator:
                  use_kernels: bool | None = None, compile: bool = False, cuda_graph: bool = False):
         check_count("batch", batch)
         check_count("capacity", capacity)
+        require(isinstance(sampling, SamplingParams), f"sampling {sampling!r}: a SamplingParams")
         device = model.norm.weight.device
         if compile and cuda_graph:
             raise UserError("compile and cuda_graph are two ways to run the steps: choose one")
-        if cuda_graph and device.type != "cuda":
-            raise UserError("cuda_graph needs the model on a CUDA device")
+        on_cuda = device.type == "cuda"
+        require(on_cuda or not cuda_graph, "cuda_graph needs the model on a CUDA device")
         if use_kernels is None:  # wherever they can run
             use_kernels = qwen3_triton is not None and device.type == "cuda"
-        if use_kernels and qwen3_triton is None:
-            raise UserError("use_kernels needs qwen3_triton.py and Triton")
+        require(qwen3_triton or not use_kernels, "use_kernels needs qwen3_triton.py and Triton")
+        # Triton's interpreter runs the kernels on the CPU too (the tests use it)
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        require(on_cuda or interpreted or not use_kernels, "use_kernels needs a CUDA device")
         most = model.args.max_position_embeddings
-        if capacity > most:
-            raise UserError(f"a cache of {capacity} positions is over the model's {most}: "
-                            "ask for fewer positions")
+        require(capacity <= most, f"a cache of {capacity} positions is over the model's {most}: "
+                "ask for fewer positions")
         model.setup_cache(batch, capacity)
         self.model = model
         self.batch = batch
@@ -328,11 +323,13 @@ class Generator:
         self.check_prompts(prompts)
         check_count("max_new", max_new)
         check_count("check_every", check_every)
+        vocab = self.model.args.vocab_size
+        stops = isinstance(stop_ids, (set, frozenset, list, tuple)) and token_ids(stop_ids, vocab)
+        require(stops, f"stop_ids must be a set of token ids in [0, {vocab}), not {stop_ids!r}")
         check_count("start", start, least=0)
         longest = start + max(map(len, prompts))  # where the longest prompt ends
-        if longest + max_new > self.capacity:
-            raise UserError(f"prompt ({longest} tokens) + max new tokens ({max_new}) is over the "
-                            f"cache length ({self.capacity})")
+        require(longest + max_new <= self.capacity, f"prompt ({counted(longest, 'token')}) + max "
+                f"new tokens ({max_new}) is over the cache length ({self.capacity})")
         # The checks read the sequences from there on
         shortest = start + min(map(len, prompts))
         state = self.state
@@ -345,7 +342,8 @@ class Generator:
             # Where each row's new tokens start in its tail
             firsts = [start + len(prompt) - shortest for prompt in prompts]
             rows = [tail[first:first + produced] for tail, first in zip(tails, firsts, strict=True)]
-            ends = [stop_index(row, stop_ids) for row in rows]
+            # Where each row's first stop token is, or None
+            ends = [next((i for i, t in enumerate(row) if t in stop_ids), None) for row in rows]
             done = [row[:end] for row, end in zip(rows, ends, strict=True)]
             if on_tokens:
                 on_tokens(done)
@@ -365,13 +363,18 @@ class Generator:
         return done, stats
 
     def check_prompts(self, prompts) -> None:
-        """Refuses prompts that aren't 1 to `batch` lists of token ids of the model's vocabulary."""
+        """Refuses prompts that aren't a list of 1 to `batch` lists of token ids of the model's
+        vocabulary, none empty."""
         vocab = self.model.args.vocab_size
-        if not 1 <= len(prompts) <= self.batch or not all(prompts):
-            raise UserError(f"give 1 to {self.batch} prompts, none empty (got {len(prompts)})")
-        ids = [token for prompt in prompts for token in prompt]
-        if not all(type(token) is int and 0 <= token < vocab for token in ids):
-            raise UserError(f"prompts are lists of token ids in [0, {vocab})")
+        count = len(prompts) if isinstance(prompts, list) else 0
+        ids = count and all(isinstance(p, list) and p and token_ids(p, vocab) for p in prompts)
+        require(1 <= count <= self.batch and ids, f"give a list of 1 to {self.batch} prompts, each "
+                f"a list of token ids in [0, {vocab}), none empty")
+
+
+def token_ids(ids, vocab: int) -> bool:
+    """Whether every one of `ids` is a token id of a vocabulary of `vocab`."""
+    return all(type(token) is int and 0 <= token < vocab for token in ids)
 
 
 def check_count(name: str, value, least: int = 1) -> None:
@@ -408,8 +411,7 @@ class Tokenizer:
         rendered with the chat template and opening the assistant's reply, as transformers'
         apply_chat_template(messages, add_generation_prompt=True) renders it; thinking=False:
         enable_thinking=False."""
-        if not self.chat_template:
-            raise UserError("the checkpoint has no chat template: copy its snapshot's own")
+        require(self.chat_template, "the checkpoint has no chat template: copy its snapshot's own")
         import jinja2.sandbox
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
@@ -444,14 +446,13 @@ def load_model(path: str, device="cpu", dtype: torch.dtype | None = None,
         raise UserError("device cuda: there is no CUDA device here; use device='cpu'")
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if not isinstance(dtype, torch.dtype):
-        raise UserError(f"dtype {dtype!r} is not a torch.dtype: use torch.bfloat16, ...")
+    floats = (torch.bfloat16, torch.float16, torch.float32)
+    require(dtype in floats, f"dtype {dtype!r}: use torch.bfloat16, torch.float16 or torch.float32")
     config = converted_config(path)
     quantization = config["quantization"]
-    if quantization not in (None, "int8"):
-        raise UserError(f"config.json: quantization {quantization!r} is not supported")
-    if quantization and quantize is None:
-        raise UserError(f"{path} is {quantization}: loading it needs quantize.py")
+    require(quantization in (None, "int8"), f"config.json: unknown quantization {quantization!r}")
+    needs = quantization and quantize is None
+    require(not needs, f"{path} is {quantization}: loading it needs quantize.py")
     args = model_args(config)
     if split is not None:
         args = split.rank_args(args)
@@ -593,8 +594,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     names = [spec.name for spec in dataclasses.fields(SamplingParams)]
     args.sampling = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     SamplingParams(**args.sampling)
-    if args.seed is not None and not 0 <= args.seed < 1 << 64:
-        raise UserError(f"--seed {args.seed}: must be in [0, 2^64)")
+    in_range = args.seed is None or 0 <= args.seed < 1 << 64
+    require(in_range, f"--seed {args.seed}: must be in [0, 2^64)")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         raise UserError(f"unknown device {args.device!r}: use cpu, cuda or cuda:N")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -608,6 +609,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None):
+    # A stream closed from the start (`>&-`) is None: the text, or an error, would go nowhere
+    if sys.stdout is None or sys.stderr is None:
+        sys.exit("error: stdout or stderr is closed: give the text and the errors somewhere to go")
     stop_on_signals()
     try:
         run(parse_args(argv))

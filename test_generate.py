@@ -465,7 +465,7 @@ def test_config_variants():
             and convert.model_args(vars(args)).yarn == args.yarn)
     with pytest.raises(UserError, match="rope type dynamic is not supported"):
         convert.model_args({**base, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}})
-    with pytest.raises(UserError, match="YaRN parameters .* are not all numbers"):
+    with pytest.raises(UserError, match="YaRN parameters .* are not all finite numbers"):
         convert.model_args({**base, "rope_scaling": {**yarn, "factor": "4"}})
     with pytest.raises(UserError, match="sliding-window attention is not supported"):
         convert.model_args({**base, "use_sliding_window": True})
@@ -1136,7 +1136,7 @@ def test_the_python_api_refuses_bad_arguments_naming_them(tiny):
     from deep inside."""
     for settings, message in [(dict(temperature=float("nan")), "temperature nan"),
                               (dict(temperature=-1), "temperature -1: must be 0 (greedy)"),
-                              (dict(top_k=-1), "top_k -1: must be >= 0"),
+                              (dict(top_k=-1), "top_k -1: must be an int >= 0"),
                               (dict(top_p=0), "top_p 0: must be in (0, 1]"),
                               (dict(top_k="20"), "top_k '20'")]:
         with pytest.raises(UserError, match=re.escape(message)):
@@ -1158,8 +1158,19 @@ def test_the_python_api_refuses_bad_arguments_naming_them(tiny):
         call = {"prompts": [[1, 2]], "max_new": 4, "stop_ids": set(), **arguments}
         with pytest.raises(UserError, match=re.escape(message)):
             gen.generate(**call)
-    with pytest.raises(UserError, match=re.escape("dtype 'bfloat16' is not a torch.dtype")):
-        G.load(tiny, dtype="bfloat16")
+    for dtype in ("bfloat16", torch.int8):
+        with pytest.raises(UserError, match=re.escape(f"dtype {dtype!r}: use torch.bfloat16")):
+            G.load(tiny, dtype=dtype)
+    with pytest.raises(UserError, match="sampling None: a SamplingParams"):
+        G.Generator(model, batch=1, capacity=64, sampling=None)
+    if not CUDA:
+        with pytest.raises(UserError, match="use_kernels needs"):
+            G.Generator(model, batch=1, capacity=64, sampling=GREEDY, use_kernels=True)
+    for stop_ids in (None, 151645, [-5], {VOCAB}):
+        with pytest.raises(UserError, match=re.escape("stop_ids must be a set of token ids")):
+            gen.generate([[1, 2]], max_new=4, stop_ids=stop_ids)
+    with pytest.raises(UserError, match="give a list of 1 to 2 prompts"):
+        gen.generate(torch.tensor([[1, 2]]), max_new=4, stop_ids=set())
     if not CUDA:
         with pytest.raises(UserError, match="device cuda: there is no CUDA device here"):
             G.load(tiny, device="cuda")
@@ -1695,7 +1706,7 @@ def test_cli_prompt_too_long_prints_no_stray_line(tiny):
     (["--temperature", "1e-45"], "temperature 1e-45: must be 0 (greedy) or at least 0.001"),
     (["--seed", "1180591620717411303424"], "--seed 1180591620717411303424: must be in [0, 2^64)"),
     (["--seed", "-1"], "--seed -1: must be in [0, 2^64)"),
-    (["--top-k", "-2"], "top_k -2: must be >= 0"),
+    (["--top-k", "-2"], "top_k -2: must be an int >= 0"),
     (["--prompt", "   "], "empty prompt"),
     (["--max-new-tokens", "100", "--cache-len", "50"], "over the cache length"),
     (["--max-new-tokens", "5000"], "over the model's"),
@@ -1708,6 +1719,8 @@ def test_cli_prompt_too_long_prints_no_stray_line(tiny):
     (["--checkpoint", "/nonexistent"], "no converted checkpoint"),
     (["--system", "be brief"], "go with --chat"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--stop-ids", "-5"], "stop_ids must be a set of token ids in [0, 512)"),
+    (["--stop-ids", str(10 ** 30)], "stop_ids must be a set of token ids in [0, 512)"),
 ])
 def test_cli_bad_input_one_line(tiny, args, message):
     argv = ["--device", "cpu", "--checkpoint", tiny, "--prompt", "hello world", *args]
@@ -1890,29 +1903,98 @@ def test_progress_lines_on_a_terminal_alone(snapshot, tmp_path):
     assert r.returncode == 0 and "%" not in r.stderr and r.stderr.startswith("loading")
 
 
-def test_convert_removes_what_a_killed_conversion_left_and_nothing_else(snapshot, tmp_path):
-    """SIGKILL or the OOM killer leave the hidden output with its partial shards: the next
-    conversion to the same output removes it once its process is gone, and says so. A live
-    process's, one holding a file we don't write, or one of another name stays."""
+def test_convert_refuses_while_another_conversion_to_its_output_runs(snapshot, tmp_path, capsys):
+    """A conversion writes into a hidden .converting-NAME beside its output: a second one to the
+    same output, or one after a conversion killed outright (SIGKILL, out of memory), finds it and
+    stops at once, naming it and leaving it as it is; --output '' is refused too."""
     out = tmp_path / "out"
-    gone, also_gone = [subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                                      capture_output=True, text=True).stdout.strip()
-                       for _ in range(2)]
-    killed = tmp_path / f".converting-out-{gone}"
-    live = tmp_path / f".converting-out-{os.getpid()}"
-    foreign = tmp_path / f".converting-out-{also_gone}"
-    other = tmp_path / f".converting-elsewhere-{gone}"
-    for directory in (killed, live, foreign, other):
-        directory.mkdir()
-        (directory / "model-00003.safetensors").write_bytes(b"partial")
-    (foreign / "notes.txt").write_text("mine")
-    script = os.path.join(HERE, "convert_hf_checkpoint.py")
-    r = subprocess.run([sys.executable, script, "--checkpoint-dir", str(snapshot), "--output",
-                        str(out)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert r.stderr.strip() == f"removed {killed}, left by a conversion that was killed"
-    assert not killed.exists() and live.exists() and foreign.exists() and other.exists()
-    assert load(str(out)).args.num_hidden_layers == 2
+    running = tmp_path / ".converting-out"
+    running.mkdir()
+    (running / "model-00003.safetensors").write_bytes(b"partial")
+    argv = ["--checkpoint-dir", str(snapshot), "--output", str(out)]
+    message = convert_error(argv, capsys)
+    assert message.startswith(f"error: {running} exists: another conversion to {out} is running")
+    assert not out.exists() and (running / "model-00003.safetensors").read_bytes() == b"partial"
+    running.rename(tmp_path / "kept")
+    message = convert_error(["--checkpoint-dir", str(snapshot), "--output", ""], capsys)
+    assert message == "error: --output is empty: name a new directory"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "kept"]
+    assert not (snapshot / "converted").exists()
+
+
+CONFIG_BASE = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "intermediate_size": 160, "num_hidden_layers": 2,
+               "vocab_size": VOCAB, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048}
+MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 8,
+       "num_experts_per_tok": 2}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"rms_norm_eps": float("nan")}, "rms_norm_eps is nan, not a valid value"),
+    ({"rope_theta": float("inf")}, "rope_theta is inf, not a valid value"),
+    ({"head_dim": 0}, "head_dim is 0; it must be above 0"),
+    ({"num_key_value_heads": 3}, "num_attention_heads is no multiple of num_key_value_heads"),
+    ({**MOE, "decoder_sparse_step": 0}, "decoder_sparse_step is 0; it must be above 0"),
+    ({**MOE, "num_experts_per_tok": 9}, "num_experts_per_tok 9 is over num_experts 8"),
+    ({**MOE, "num_experts_per_tok": 0}, "num_experts_per_tok is 0; it must be above 0"),
+    ({**MOE, "moe_intermediate_size": 0}, "moe_intermediate_size is 0; it must be above 0"),
+    ({"rope_parameters": {**YARN, "factor": 0}}, "YaRN's factor is 0; it must be above 0"),
+    ({"rope_parameters": {**YARN, "original_max_position_embeddings": 0}},
+     "YaRN's original_max_position_embeddings is 0"),
+    ({"rope_parameters": {**YARN, "beta_fast": -1}}, "YaRN's beta_fast is -1"),
+    ({"rope_parameters": {**YARN, "rope_theta": 1}}, "rope_theta is 1; YaRN needs it above 1"),
+    ({"rope_parameters": {**YARN, "factor": float("nan")}},
+     "YaRN parameters {'factor': nan, 'original_max_position_embeddings': 32} are not all finite"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_scaling": YARN},
+     "rope_parameters and rope_scaling disagree: keep one"),
+], ids=lambda value: str(value)[:40])
+def test_config_values_that_describe_no_model_are_refused(changes, message):
+    """Each value that leaves the model undefined, refused by the checks that the converter (before
+    it writes) and generate.py's loader share, naming the field."""
+    with pytest.raises(UserError, match=re.escape(f"config.json: {message}")):
+        convert.model_args({**CONFIG_BASE, **changes})
+
+
+def test_config_values_refused_in_one_line_by_both_commands(snapshot, tiny, tmp_path):
+    """A config.json that describes no model: the converter says so in one line and writes
+    nothing; generate.py says so in one line for a converted checkpoint edited after."""
+    edit_json(snapshot / "config.json", rms_norm_eps=float("nan"))
+    out = tmp_path / "out"
+    r = cli("--checkpoint-dir", str(snapshot), "--output", str(out),
+            script=os.path.join(HERE, "convert_hf_checkpoint.py"))
+    assert r.returncode == 1 and r.stderr == ("error: config.json: rms_norm_eps is nan, not a "
+                                              "valid value\n") and not out.exists(), r.stderr
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny, copy)
+    edit_json(copy / "config.json", decoder_sparse_step=0)
+    r = cli("--checkpoint", str(copy), "--prompt", "hi", "--device", "cpu")
+    assert r.returncode == 1 and r.stderr.endswith(
+        "error: config.json: decoder_sparse_step is 0; it must be above 0\n"), r.stderr
+
+
+@pytest.mark.parametrize("closed", [1, 2], ids=["stdout", "stderr"])
+def test_cli_with_a_closed_stream_stops_before_any_work(tiny, closed):
+    """`>&-` or `2>&-`: no text or error would be seen. Exit 1 before loading, saying so on stderr
+    where stderr is open."""
+    script = os.path.join(HERE, "generate.py")
+    r = subprocess.run([sys.executable, script, "--checkpoint", tiny, "--prompt", "hi", "--device",
+                        "cpu"], capture_output=closed == 1, text=True, timeout=300,
+                       preexec_fn=lambda: os.close(closed))
+    assert r.returncode == 1
+    if closed == 1:
+        assert r.stderr == "error: stdout or stderr is closed: give the text and the errors " \
+                           "somewhere to go\n"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads every file whatever its permissions")
+def test_an_unreadable_shard_is_named_in_one_line(tiny, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny, copy)
+    shard = sorted(copy.glob("model*.safetensors"))[0]
+    shard.chmod(0)
+    with pytest.raises(UserError, match=f"{shard}: not readable by you"):
+        G.load(str(copy))
 
 
 def test_convert_checks_what_it_copies_and_every_weight(snapshot, tmp_path, capsys):
