@@ -1335,7 +1335,7 @@ def test_generator_takes_fewer_prompts_than_its_batch(tiny):
     both = gen.generate([[5, 6, 7], [1, 2]], max_new=12, stop_ids=set())[0]
     assert both == greedy(tiny, [[5, 6, 7], [1, 2]], max_new=12)
     for prompts in ([], [[1]] * 4, [[1], []]):
-        with pytest.raises(UserError, match="give 1 to 3 prompts, none empty"):
+        with pytest.raises(UserError, match="give a list of 1 to 3 prompts"):
             gen.generate(prompts, max_new=4, stop_ids=set())
 
 
