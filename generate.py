@@ -196,8 +196,7 @@ class Generator:
         check_count("capacity", capacity)
         require(isinstance(sampling, SamplingParams), f"sampling {sampling!r}: a SamplingParams")
         device = model.norm.weight.device
-        if compile and cuda_graph:
-            raise UserError("compile and cuda_graph are two ways to run the steps: choose one")
+        require(not (compile and cuda_graph), "compile and cuda_graph: choose one way or the other")
         on_cuda = device.type == "cuda"
         require(on_cuda or not cuda_graph, "cuda_graph needs the model on a CUDA device")
         if use_kernels is None:  # wherever they can run
@@ -358,8 +357,11 @@ class Generator:
                 self.decode_step(self.attended(longest + produced))
                 produced += 1
         times += times[-1:] * 2  # no first or later steps: they took no time
-        stats = GenerationStats(prefill_s=times[1] - times[0], first_step_s=times[2] - times[1],
-                                decode_s=times[-1] - times[2], decode_steps=max(produced - 2, 0))
+        # The first decode step is timed apart where it compiles or captures; eagerly it is a step
+        warm = 2 if self.compiled or self.graphed else 1
+        stats = GenerationStats(prefill_s=times[1] - times[0], first_step_s=times[warm] - times[1],
+                                decode_s=times[-1] - times[warm],
+                                decode_steps=max(produced - warm, 0))
         return done, stats
 
     def check_prompts(self, prompts) -> None:
@@ -629,8 +631,7 @@ def run(args: argparse.Namespace) -> None:
     if args.seed is not None:
         torch.manual_seed(args.seed)
     texts = args.prompt or []
-    if not (texts and all(text.strip() for text in texts)):
-        raise UserError("empty prompt: give --prompt TEXT")
+    require(texts and all(text.strip() for text in texts), "empty prompt: give --prompt TEXT")
     split = None
     if tp is not None and tp.launched():  # torchrun: this process is one rank of the model
         split = tp.start(args.device)
