@@ -267,8 +267,8 @@ class Experts(nn.Module):
         """Each token (tokens, hidden) through each of its picked experts (tokens, top_k): (tokens,
         top_k, hidden)."""
         gate_up, down = self.weights(tokens.dtype)
-        # The (token, pick) pairs, sorted by expert so that each expert's pairs are one run of rows
-        # (pairs,)
+        # The (token, pick) pairs' experts (pairs,), sorted so that each expert's pairs are one run
+        # of rows
         row_experts, order = picked.flatten().sort()
         # (pairs, hidden): each pair's token
         rows = tokens[order // picked.shape[1]]
