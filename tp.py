@@ -54,7 +54,7 @@ def start(device: torch.device) -> "TensorParallel":
 
 @dataclasses.dataclass
 class TensorParallel:
-    """Rank `rank` of `world`: what Transformer.from_checkpoint asks of a split (rank_args, read,
+    """Rank `rank` of `world`: what generate.load_model asks of a split (rank_args, read,
     apply)."""
     rank: int
     world: int
