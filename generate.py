@@ -200,7 +200,7 @@ class Generator:
         on_cuda = device.type == "cuda"
         require(on_cuda or not cuda_graph, "cuda_graph needs the model on a CUDA device")
         if use_kernels is None:  # wherever they can run
-            use_kernels = qwen3_triton is not None and device.type == "cuda"
+            use_kernels = qwen3_triton is not None and on_cuda
         require(qwen3_triton or not use_kernels, "use_kernels needs qwen3_triton.py and Triton")
         # Triton's interpreter runs the kernels on the CPU too (the tests use it)
         interpreted = os.environ.get("TRITON_INTERPRET") == "1"
@@ -287,6 +287,7 @@ class Generator:
         if self.compiled:
             torch._dynamo.maybe_mark_dynamic(kv_positions, 0)
         return kv_positions
+
     def prefill(self, prompts: list[list[int]], start: int = 0) -> None:
         """Every prompt into its cache row at positions start ... in one forward, padded to the
         longest (to its bucket when compiled or graphed); each row's first token drawn from its
@@ -648,7 +649,7 @@ def run(args: argparse.Namespace) -> None:
         turns = [[*system, {"role": "user", "content": text}] for text in texts]
         texts = [tokenizer.chat(messages, thinking=not args.no_think) for messages in turns]
     prompts = [tokenizer.encode(text) for text in texts]
-    # Too long for the model: setup_cache says so
+    # Too long for the model: the Generator says so
     capacity = args.cache_len or max(map(len, prompts)) + args.max_new_tokens
     gen = Generator(checkpoint.model, batch=len(prompts), capacity=capacity, sampling=sampling,
                     compile=args.compile, cuda_graph=args.cuda_graph)

@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+import convert_hf_checkpoint as convert
 from model import Experts, ModelArgs, Transformer
 
 MODES = ["int8"]
@@ -88,7 +89,6 @@ def quantized(name: str, weight: Tensor, expected: dict) -> dict[str, Tensor]:
 
 
 def main(argv=None):
-    import convert_hf_checkpoint as convert
     parser = convert.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", required=True,
                         help="a directory that convert_hf_checkpoint.py wrote")
@@ -97,7 +97,8 @@ def main(argv=None):
     convert.stop_on_signals()
     try:
         args = parser.parse_args(argv)
-        out = args.output or args.checkpoint.rstrip("/") + "-int8"
+        default = args.checkpoint.rstrip("/") + "-int8"
+        out = default if args.output is None else args.output
         quantize_checkpoint(args.checkpoint, out)
         print(f"wrote {out}", flush=True)
     except KeyboardInterrupt:
@@ -109,7 +110,6 @@ def main(argv=None):
 
 def quantize_checkpoint(path: str, out: str) -> None:
     """A converted bf16 checkpoint `path`, quantized into `out`: a tensor at a time."""
-    import convert_hf_checkpoint as convert
     config = convert.converted_config(path)
     if config["quantization"] is not None:
         raise convert.UserError(f"{path} is already {config['quantization']}")
