@@ -16,6 +16,7 @@ checks of config.json, the safetensors index, the one-line errors.
 import argparse
 import contextlib
 import dataclasses
+import importlib
 import json
 import math
 import os
@@ -47,6 +48,15 @@ def require(condition: bool, message: str) -> None:
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):  # one line, as for every other bad input
         raise UserError(message)
+
+
+def optional(name: str):
+    """One of our optional files (quantize.py, qwen3_triton.py, tp.py) as a module; None where it
+    is missing, or what it needs (Triton) is."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
 
 
 def positive(text: str) -> int:
@@ -90,9 +100,8 @@ def list_tensors(directory, pattern: str) -> dict[str, str]:
                 names = list(opened.keys())
         except Exception as e:  # safetensors' own error type: a truncated or corrupt file
             raise UserError(f"{file}: not a readable safetensors file ({e})") from None
-        twice = sorted(tensors.keys() & set(names))
-        if twice:
-            raise UserError(f"{file}: tensor {twice[0]} is in {tensors[twice[0]]} too")
+        twice = min(tensors.keys() & set(names), default=None)
+        require(not twice, f"{file}: tensor {twice} is in {tensors.get(twice)} too")
         tensors.update(dict.fromkeys(names, str(file)))
     return tensors
 
@@ -162,9 +171,8 @@ def model_args(config: dict) -> ModelArgs:
     for name in POSITIVE:
         value = getattr(args, name)
         require(value > 0, f"config.json: {name} is {value!r}; it must be above 0")
-    if args.num_experts and args.num_experts_per_tok > args.num_experts:
-        raise UserError(f"config.json: num_experts_per_tok {args.num_experts_per_tok} is over "
-                        f"num_experts {args.num_experts}")
+    too_many = args.num_experts and args.num_experts_per_tok > args.num_experts
+    require(not too_many, "config.json: num_experts_per_tok is over num_experts")
     if args.num_attention_heads % args.num_key_value_heads:
         raise UserError("config.json: num_attention_heads is no multiple of num_key_value_heads")
     if args.yarn and args.rope_theta <= 1:
@@ -190,9 +198,9 @@ def converted_config(path) -> dict:
     config = pathlib.Path(path, "config.json")
     require(config.is_file(), f"{path}: no converted checkpoint; the converter makes one")
     config = read_json(config)
-    if "quantization" not in config:  # every config.json our converter writes has it
-        raise UserError(f"{path} is a Hugging Face snapshot: convert it first "
-                        f"(python convert_hf_checkpoint.py --checkpoint-dir {path})")
+    # Every config.json our converter writes has it
+    require("quantization" in config, f"{path} is a Hugging Face snapshot: convert it first "
+            f"(python convert_hf_checkpoint.py --checkpoint-dir {path})")
     return config
 
 
@@ -258,49 +266,41 @@ def joined(src: pathlib.Path, name: str, parts: list[str], files: dict, meta) ->
     """Our tensor `name`, of meta's shape, from its Hugging Face parts."""
     missing = [hf for hf in parts if hf not in files]
     require(not missing, f"{src}: the checkpoint lacks {', '.join(missing)}")
-    tensors = [read_tensor(files[hf], hf) for hf in parts]
+    tensors = {hf: read_tensor(files[hf], hf) for hf in parts}
     # Stacked experts: every part has one shape, so name the one that differs
     if meta.dim() == 3:
-        rows = meta.numel() // meta.shape[-1] // len(parts)
-        part_shape = (rows, meta.shape[-1])
-        wrong = [hf for hf, t in zip(parts, tensors, strict=True) if t.shape != part_shape]
-        if wrong:
-            raise UserError(f"{files[wrong[0]]}: {wrong[0]} does not have the shape "
-                            f"{part_shape} that config.json implies")
-    broken = [hf for hf, t in zip(parts, tensors, strict=True) if not t.isfinite().all()]
-    if broken:
-        raise UserError(f"{files[broken[0]]}: {broken[0]} holds values that are not finite")
-    weight = torch.cat(tensors)  # experts: (experts x rows, columns)
-    if weight.numel() != meta.numel() or weight.shape[-1] != meta.shape[-1]:
-        raise UserError(f"{src}: {name} has shape {tuple(weight.shape)}; config.json implies "
-                        f"{tuple(meta.shape)}")
+        shape = (meta.numel() // meta.shape[-1] // len(parts), meta.shape[-1])
+        wrong = next((hf for hf, t in tensors.items() if t.shape != shape), None)
+        require(not wrong, f"{files.get(wrong)}: {wrong} does not have the shape {shape} "
+                "that config.json implies")
+    broken = next((hf for hf, t in tensors.items() if not t.isfinite().all()), None)
+    require(not broken, f"{files.get(broken)}: {broken} holds values that are not finite")
+    weight = torch.cat(list(tensors.values()))  # experts: (experts x rows, columns)
+    same = weight.numel() == meta.numel() and weight.shape[-1] == meta.shape[-1]
+    require(same, f"{src}: {name} has shape {tuple(weight.shape)}; config.json implies "
+            f"{tuple(meta.shape)}")
     return weight.view(meta.shape)
 
 
 def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) -> None:
     src = pathlib.Path(src)
     args, config = snapshot_args(src)
+    quantize = optional("quantize")
     if int8:
-        try:
-            import quantize
-        except ImportError:
-            raise UserError("int8 needs quantize.py beside this file") from None
+        require(quantize, "int8 needs quantize.py beside this file")
         config["quantization"] = "int8"
     with torch.device("meta"):
         model = Transformer(args)
         if int8:
             quantize.swap_in_int8(model)
     expected = checkpoint_tensors(model)
-    sources = {}  # our tensor -> its Hugging Face parts; int8 scales come from the weights
-    for name, meta in expected.items():
-        if not name.endswith("_scale"):
-            sources[name] = hf_names(name, meta)
+    # Our tensor -> its Hugging Face parts; int8 scales come from the weights
+    sources = {name: hf_names(name, meta) for name, meta in expected.items()
+               if not name.endswith("_scale")}
     files = list_tensors(src, "*.safetensors")
     placed = {hf for parts in sources.values() for hf in parts} | {"lm_head.weight"}
-    unknown = files.keys() - placed
-    if unknown:
-        first = min(unknown)
-        raise UserError(f"{files[first]}: tensor {first} has no place in a Qwen3 model")
+    unknown = min(files.keys() - placed, default=None)
+    require(not unknown, f"{files.get(unknown)}: tensor {unknown} is not in Qwen3 models")
 
     def tensors():
         for name, parts in sources.items():
@@ -334,16 +334,18 @@ def write_checkpoint(out: str, tensors, count: int, config: dict, src: pathlib.P
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
-        shard = {}
+        shard, files = {}, []
         for done, (name, tensor) in enumerate(tensors, 1):
             shard[name] = tensor.contiguous()
             if sum(t.nbytes for t in shard.values()) >= shard_bytes or done == count:
-                # Named by the count of tensors written: in order, as the loader reads them
-                file = tmp / f"model-{done:05d}.safetensors"
-                save_file(shard, file)
-                file.chmod(0o666 & ~umask)  # save_file makes it private
+                files.append(tmp / f"{len(files)}.safetensors")
+                save_file(shard, files[-1])
+                files[-1].chmod(0o666 & ~umask)  # save_file makes it private
                 shard = {}
             show_progress(f"writing {out}", done, count)
+        # Named as the hub names shards, once their count is known
+        for index, file in enumerate(files, 1):
+            file.rename(tmp / f"model-{index:05d}-of-{len(files):05d}.safetensors")
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         for name in COPIED:
             if (src / name).is_file():
@@ -356,6 +358,14 @@ def write_checkpoint(out: str, tensors, count: int, config: dict, src: pathlib.P
             with contextlib.suppress(OSError):
                 directory.rmdir()
         raise
+
+
+def exit_interrupted(note: str) -> None:
+    """Exits with 130 after Ctrl-C, SIGTERM or SIGHUP; on a terminal, after ending the line that
+    the interrupt cut short (a progress line, ^C), and the `note`."""
+    newline = "\n" if sys.stderr.isatty() else ""
+    print(f"{newline}{note}", file=sys.stderr)
+    sys.exit(130)
 
 
 def stop_on_signals() -> None:
@@ -395,10 +405,10 @@ def main(argv=None):
         name = "converted-int8" if args.int8 else "converted"
         out = os.path.join(args.checkpoint_dir, name) if args.output is None else args.output
         convert(args.checkpoint_dir, out, args.int8, args.shard_size_mb << 20)
-        print(f"wrote {out}", flush=True)
+        # On stderr, as every message: stdout may be full, though the checkpoint is written
+        print(f"wrote {out}", file=sys.stderr)
     except KeyboardInterrupt:
-        print("interrupted: nothing was written", file=sys.stderr)
-        sys.exit(130)
+        exit_interrupted("interrupted: nothing was written")
     except USER_ERRORS as e:
         exit_on(e)
 

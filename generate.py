@@ -19,24 +19,13 @@ try:
     from safetensors import safe_open
 
     from convert_hf_checkpoint import (USER_ERRORS, ArgumentParser, UserError, checkpoint_tensors,
-                                       converted_config, eos_ids, exit_on, list_tensors,
-                                       model_args, positive, read_json, read_tokenizer,
-                                       require, show_progress, stop_on_signals)
+                                       converted_config, eos_ids, exit_interrupted, exit_on,
+                                       list_tensors, model_args, optional, positive, read_json,
+                                       read_tokenizer, require, show_progress, stop_on_signals)
     from model import Transformer
     # Optional files: int8 checkpoints, the Triton fast path (without it, or Triton, PyTorch's ops
     # run everywhere), tensor parallelism under torchrun
-    try:
-        import quantize
-    except ImportError:
-        quantize = None
-    try:
-        import qwen3_triton
-    except ImportError:
-        qwen3_triton = None
-    try:
-        import tp
-    except ImportError:
-        tp = None
+    quantize, qwen3_triton, tp = map(optional, ["quantize", "qwen3_triton", "tp"])
 except KeyboardInterrupt:  # Ctrl-C while torch loads: nothing to clean up, nothing to say
     sys.exit(130)
 
@@ -177,9 +166,11 @@ class CUDAGraphs:
 @dataclass
 class GenerationStats:
     prefill_s: float  # the prompts in, each row's first token out: the time to first token
-    first_step_s: float  # the first decode step, where compilation and graph capture happen
-    decode_s: float  # every later decode step
+    # Compiled or graphed decode steps that compile or capture: the first at each attended length
+    warmup_s: float
+    decode_s: float  # every other decode step
     decode_steps: int  # the steps timed in decode_s (each gives every row a token)
+    interrupted: bool = False  # Ctrl-C, SIGTERM or SIGHUP ended the decode loop early
 
 
 class Generator:
@@ -222,6 +213,8 @@ class Generator:
         self.compiled, self.graphed = compile, cuda_graph
         # Prompts padded to a few lengths, a graph each
         self.bucketed = compile or cuda_graph
+        # The attended lengths whose decode step has compiled or captured its own
+        self.warmed = set()
         self.decode_step = self.in_mode(self.decode_one_token)
         self.prefill_step = self.in_mode(self.prefill_prompts)
 
@@ -319,7 +312,8 @@ class Generator:
         random generator: torch.manual_seed makes the tokens reproducible, the same in every
         mode. start: the prompts' first position; the rows keep their tokens before it in the
         cache from an earlier call (a conversation's earlier turns): only the prompts are
-        prefilled."""
+        prefilled. Ctrl-C (KeyboardInterrupt) during the decode loop ends it: what was made is
+        returned, stats.interrupted set."""
         self.check_prompts(prompts)
         check_count("max_new", max_new)
         check_count("check_every", check_every)
@@ -328,41 +322,47 @@ class Generator:
         require(stops, f"stop_ids must be a set of token ids in [0, {vocab}), not {stop_ids!r}")
         check_count("start", start, least=0)
         longest = start + max(map(len, prompts))  # where the longest prompt ends
-        require(longest + max_new <= self.capacity, f"prompt ({counted(longest, 'token')}) + max "
-                f"new tokens ({max_new}) is over the cache length ({self.capacity})")
-        # The checks read the sequences from there on
-        shortest = start + min(map(len, prompts))
-        state = self.state
-        times = [time.perf_counter()]  # the start, then the end of each check
+        require(longest + max_new <= self.capacity, f"the prompt ({counted(longest, 'token')}) + "
+                f"max new tokens ({max_new}) is over the cache length ({self.capacity})")
+        stats = GenerationStats(0.0, 0.0, 0.0, 0)
+        # The field of stats that times what ran since the last check; the tokens per row then
+        kind, checked = "prefill_s", 0
+        began = time.perf_counter()
         self.prefill(prompts, start)
         produced = 1  # tokens per row so far
+        # Where each row's new tokens start in the tail that the checks read
+        shortest = start + min(map(len, prompts))
+        firsts = [start + len(prompt) - shortest for prompt in prompts]
         while True:
-            # One sync a check: every row's tokens from the shortest prompt's end on
-            tails = state.sequences[:len(prompts), shortest:longest + produced].tolist()
-            # Where each row's new tokens start in its tail
-            firsts = [start + len(prompt) - shortest for prompt in prompts]
-            rows = [tail[first:first + produced] for tail, first in zip(tails, firsts, strict=True)]
-            # Where each row's first stop token is, or None
-            ends = [next((i for i, t in enumerate(row) if t in stop_ids), None) for row in rows]
-            done = [row[:end] for row, end in zip(rows, ends, strict=True)]
-            if on_tokens:
-                on_tokens(done)
-            times.append(time.perf_counter())
-            if produced == max_new or None not in ends:
-                break
-            # The first check comes right after the prefill, the second after the first decode
-            # step (compilation and graph capture happen there, timed apart), then every
-            # check_every steps
-            steps = 1 if produced == 1 else min(check_every, max_new - produced)
-            for _ in range(steps):
-                self.decode_step(self.attended(longest + produced))
-                produced += 1
-        times += times[-1:] * 2  # no first or later steps: they took no time
-        # The first decode step is timed apart where it compiles or captures; eagerly it is a step
-        warm = 2 if self.compiled or self.graphed else 1
-        stats = GenerationStats(prefill_s=times[1] - times[0], first_step_s=times[warm] - times[1],
-                                decode_s=times[-1] - times[warm],
-                                decode_steps=max(produced - warm, 0))
+            try:
+                # One sync a check: every row's tokens from the shortest prompt's end on
+                tails = self.state.sequences[:len(prompts), shortest:longest + produced].tolist()
+                rows = [tail[first:][:produced] for tail, first in zip(tails, firsts, strict=True)]
+                # Where each row's first stop token is, or None
+                ends = [next((i for i, t in enumerate(row) if t in stop_ids), None) for row in rows]
+                done = [row[:end] for row, end in zip(rows, ends, strict=True)]
+                if on_tokens:
+                    on_tokens(done)
+                now = time.perf_counter()
+                vars(stats)[kind] += now - began
+                if kind == "decode_s":
+                    stats.decode_steps += produced - checked
+                began, checked = now, produced
+                if produced == max_new or None not in ends or stats.interrupted:
+                    break
+                # The steps until the attended length's next bucket, or the next check
+                kv_len = bucket(longest + produced, self.capacity)
+                steps = min(check_every, max_new - produced, kv_len - longest - produced + 1)
+                # The first step at a new length compiles or captures its own: alone, timed apart
+                kind = "decode_s"
+                if self.bucketed and kv_len not in self.warmed:
+                    kind, steps = "warmup_s", 1
+                    self.warmed.add(kv_len)
+                for _ in range(steps):
+                    self.decode_step(self.attended(longest + produced))
+                    produced += 1
+            except KeyboardInterrupt:  # the rows are read once more, then returned
+                stats.interrupted = True
         return done, stats
 
     def check_prompts(self, prompts) -> None:
@@ -407,6 +407,7 @@ class Tokenizer:
             raise UserError(f"{text!r} is not valid UTF-8 text") from None
 
     def decode(self, ids: list[int]) -> str:
+        require(token_ids(ids, 1 << 32), f"{ids!r}: decode takes a list of token ids")
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def chat(self, messages: list[dict], thinking: bool = True) -> str:
@@ -415,6 +416,8 @@ class Tokenizer:
         apply_chat_template(messages, add_generation_prompt=True) renders it; thinking=False:
         enable_thinking=False."""
         require(self.chat_template, "the checkpoint has no chat template: copy its snapshot's own")
+        listed = isinstance(messages, list) and all(isinstance(m, dict) for m in messages)
+        require(listed, f"messages {messages!r}: a list of dicts with a role and a content")
         import jinja2.sandbox
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
@@ -446,7 +449,7 @@ def load_model(path: str, device="cpu", dtype: torch.dtype | None = None,
     read (split.read), the all-reduces added (split.apply)."""
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError("device cuda: there is no CUDA device here; use device='cpu'")
+        raise UserError("there is no CUDA device here: use the CPU (--device cpu)")
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     floats = (torch.bfloat16, torch.float16, torch.float32)
@@ -479,10 +482,9 @@ def load_model(path: str, device="cpu", dtype: torch.dtype | None = None,
                 state[name] = tensor
                 show_progress(f"loading {path}", len(state), len(tensors))
     found = {name: t.shape for name, t in state.items()}
-    wrong = sorted(n for n in expected.keys() | found.keys() if expected.get(n) != found.get(n))
-    if wrong:
-        raise UserError(f"{path}: weights do not match config.json ({wrong[0]}); "
-                        "convert again")
+    names = expected.keys() | found.keys()
+    wrong = min((n for n in names if expected.get(n) != found.get(n)), default=None)
+    require(not wrong, f"{path}: weights do not match config.json ({wrong}); convert again")
     # The loaded tensors themselves, no copy; every one is checked above. A tied lm_head is not
     # among them: it is the embedding again.
     model.load_state_dict(state, strict=False, assign=True)
@@ -540,12 +542,14 @@ class TextStream:
 
 
 def report(stats: GenerationStats, rows: list[list[int]]) -> str:
-    """The line on stderr after a generation: what came out, the time to first token, the first
-    decode step (timed apart: compilation and graph capture happen there), the rate."""
+    """The line on stderr after a generation: what came out, the time to first token, the decode
+    steps that compiled or captured (timed apart), the rate."""
     tokens = counted(sum(map(len, rows)), "new token")
     line = f"{tokens} in {counted(len(rows), 'row')}. Time to first token {stats.prefill_s:.3f} s"
-    if stats.first_step_s:
-        line += f"; the first decode step {stats.first_step_s:.2f} s"
+    if stats.interrupted:
+        line = f"Interrupted: {line[0].lower()}{line[1:]}"
+    if stats.warmup_s:
+        line += f"; compiling or capturing decode steps {stats.warmup_s:.2f} s"
     if stats.decode_steps:
         rate = stats.decode_steps / stats.decode_s
         line += f"; then {rate:.1f} tok/s per row, {rate * len(rows):.1f} in all"
@@ -559,18 +563,21 @@ def counted(number: int, noun: str) -> str:
     return f"{number} {noun}{plural}"
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(argv=None, description: str = __doc__, prompts: bool = True) -> argparse.Namespace:
+    """The command line, checked. prompts=False: chat.py's, whose turns are typed: no --prompt
+    or --chat."""
+    parser = ArgumentParser(description=description.split("\n")[0])
     parser.add_argument("--checkpoint", default="checkpoints/Qwen/Qwen3-0.6B/converted",
                         help="a directory that convert_hf_checkpoint.py wrote")
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
     parser.add_argument("--device", default=default_device, help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                         help="default: bf16 on CUDA, fp32 on the CPU")
-    parser.add_argument("--prompt", action="append",
-                        help="repeat it for a batch: one cache row per prompt")
-    parser.add_argument("--chat", action="store_true",
-                        help="wrap each prompt in the checkpoint's chat template")
+    if prompts:
+        parser.add_argument("--prompt", action="append",
+                            help="repeat it for a batch: one cache row per prompt")
+        parser.add_argument("--chat", action="store_true",
+                            help="wrap each prompt in the checkpoint's chat template")
     parser.add_argument("--system", help="system message for --chat")
     parser.add_argument("--no-think", action="store_true",
                         help="with --chat: answer without a thinking block")
@@ -593,6 +600,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cache-len", type=positive,
                         help="KV cache positions (default: prompt + max new tokens)")
     args = parser.parse_args(argv)
+    args.chat = args.chat if prompts else True
     # The flags that replace the checkpoint's sampling defaults, checked now, before loading
     names = [spec.name for spec in dataclasses.fields(SamplingParams)]
     args.sampling = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
@@ -601,8 +609,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     require(in_range, f"--seed {args.seed}: must be in [0, 2^64)")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         raise UserError(f"unknown device {args.device!r}: use cpu, cuda or cuda:N")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError("no CUDA device here: use --device cpu")
     args.device = torch.device(args.device)
     if args.cuda_graph and args.device.type != "cuda":
         raise UserError("--cuda-graph needs a CUDA device (--device cuda): leave it out on the CPU")
@@ -611,15 +617,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None):
+def main(argv=None, command=None):
+    """generate.py's command, or chat.py's `command`(argv): a bad input or a user's error ends in
+    one line, Ctrl-C and signals in exit status 130."""
     # A stream closed from the start (`>&-`) is None: the text, or an error, would go nowhere
     if sys.stdout is None or sys.stderr is None:
         sys.exit("error: stdout or stderr is closed: give the text and the errors somewhere to go")
     stop_on_signals()
     try:
-        run(parse_args(argv))
-    except KeyboardInterrupt:  # what was generated is printed already
-        sys.exit(130)
+        (command or run)(argv)
+    except KeyboardInterrupt:  # before the decode loop: nothing was generated
+        exit_interrupted("interrupted: nothing was generated")
     except USER_ERRORS as e:
         # Under torchrun every rank reads the same flags and files: rank 0 alone says what is wrong
         # with them. Anything else (a traceback) is printed by the rank where it happens.
@@ -628,7 +636,8 @@ def main(argv=None):
         exit_on(e)
 
 
-def run(args: argparse.Namespace) -> None:
+def run(argv) -> None:
+    args = parse_args(argv)
     if args.seed is not None:
         torch.manual_seed(args.seed)
     texts = args.prompt or []
@@ -655,13 +664,14 @@ def run(args: argparse.Namespace) -> None:
                     compile=args.compile, cuda_graph=args.cuda_graph)
     stream = TextStream(tokenizer.decode, args.prompt)
     stop_ids = checkpoint.stop_ids | set(args.stop_ids)
-    try:
-        rows, stats = gen.generate(prompts, max_new=args.max_new_tokens, stop_ids=stop_ids,
-                                   check_every=args.check_every, on_tokens=stream)
-    finally:  # on Ctrl-C too: what was generated so far
-        stream.finish()
+    # Ctrl-C in the decode loop ends it: what was generated so far is returned
+    rows, stats = gen.generate(prompts, max_new=args.max_new_tokens, stop_ids=stop_ids,
+                               check_every=args.check_every, on_tokens=stream)
+    stream.finish()
     if talks:
         print(report(stats, rows), file=sys.stderr)
+    if stats.interrupted:
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -338,9 +338,6 @@ class Transformer(nn.Module):
     def setup_cache(self, slots: int, capacity: int):
         """Allocates a StaticKVCache per layer and the RoPE tables for positions [0, capacity)."""
         args = self.args
-        if capacity > args.max_position_embeddings:
-            raise ValueError(f"a cache of {capacity} positions is over the model's "
-                             f"{args.max_position_embeddings}")
         device = self.norm.weight.device
         dtype = self.norm.weight.dtype
         # One spare position, never attended: every attended prefix is then a strict slice of the

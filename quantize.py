@@ -100,10 +100,9 @@ def main(argv=None):
         default = args.checkpoint.rstrip("/") + "-int8"
         out = default if args.output is None else args.output
         quantize_checkpoint(args.checkpoint, out)
-        print(f"wrote {out}", flush=True)
+        print(f"wrote {out}", file=sys.stderr)  # as the converter: stdout may be full
     except KeyboardInterrupt:
-        print("interrupted: nothing was written", file=sys.stderr)
-        sys.exit(130)
+        convert.exit_interrupted("interrupted: nothing was written")
     except convert.USER_ERRORS as e:
         convert.exit_on(e)
 

@@ -901,6 +901,25 @@ def test_convert_stopped_by_a_signal_leaves_nothing(snapshot, tmp_path, signal_n
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 
+def test_convert_names_shards_as_the_hub_does(snapshot, tmp_path):
+    """model-00001-of-0000N.safetensors, in the order the tensors were written."""
+    convert.convert(str(snapshot), str(tmp_path / "out"), shard_bytes=1 << 16)
+    names = sorted(p.name for p in (tmp_path / "out").glob("*.safetensors"))
+    count = len(names)
+    assert count > 2
+    assert names == [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def test_an_interrupt_ends_the_line_it_cut_short_on_a_terminal():
+    """Ctrl-C during a progress line: on a terminal the note starts a line of its own."""
+    code = (f"import sys; sys.path.insert(0, {HERE!r}); import convert_hf_checkpoint as c; "
+            "c.show_progress('writing out', 1, 4); "
+            "c.exit_interrupted('interrupted: nothing was written')")
+    status, written = tty_stderr([sys.executable, "-c", code])
+    assert status == 130
+    assert written == "\rwriting out: 25%\r\ninterrupted: nothing was written\r\n", written
+
+
 def test_convert_argument_errors_are_one_line(snapshot, capsys):
     for argv, message in [(["--shard-size-mb", "0"], "--shard-size-mb: must be at least 1, not 0"),
                           (["--shard-size-mb", "-5"],
@@ -1011,7 +1030,7 @@ def test_int8_modules_equal_their_dequantized_weights(tmp_path, moe):
     prompt = list(range(1, 30))
     assert (forward(q8, prompt) - forward(plain, prompt)).abs().max() <= 1e-4
     r = cli("--checkpoint", path, "--mode", "int8", script=os.path.join(HERE, "quantize.py"))
-    assert r.returncode == 0 and r.stdout == f"wrote {path}-int8\n", r.stderr
+    assert r.returncode == 0 and r.stderr == f"wrote {path}-int8\n" and not r.stdout, r.stderr
     ours, theirs = (read_all(p) for p in (path + "-int8", tmp_path / "int8"))
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     assert json.load(open(path + "-int8/config.json"))["quantization"] == "int8"
@@ -1172,8 +1191,15 @@ def test_the_python_api_refuses_bad_arguments_naming_them(tiny):
     with pytest.raises(UserError, match="give a list of 1 to 2 prompts"):
         gen.generate(torch.tensor([[1, 2]]), max_new=4, stop_ids=set())
     if not CUDA:
-        with pytest.raises(UserError, match="device cuda: there is no CUDA device here"):
+        with pytest.raises(UserError, match="there is no CUDA device here: use the CPU"):
             G.load(tiny, device="cuda")
+    tokenizer = G.Tokenizer(tiny)
+    for messages in (123, "hello", [["user", "hi"]]):
+        with pytest.raises(UserError, match=re.escape(f"messages {messages!r}: a list of dicts")):
+            tokenizer.chat(messages)
+    for ids in ([-1], [1.0], "hi"):
+        with pytest.raises(UserError, match=re.escape(f"{ids!r}: decode takes a list of token ids")):
+            tokenizer.decode(ids)
 
 
 # ---------------------------------------------------------------- decode modes
@@ -1320,18 +1346,47 @@ def test_batch_rows_equal_single_runs(tiny):
     assert len(batch[0]) < 20  # row 0 stopped on its own while the others went on
 
 
-def test_generation_stats_count_the_first_step_apart(tiny):
-    """Compiled or graphed, the first decode step (its compilation or capture) is timed apart;
-    eagerly it is a decode step like the others, and the report names no first step."""
-    gen = generator(tiny, compile=True)
-    _, stats = gen.generate([[1, 2, 3]], max_new=10, stop_ids=set(), check_every=4)
-    # 10 tokens: one from prefill, one from the first step, 8 timed after it
-    assert stats.decode_steps == 8 and stats.first_step_s > 0
-    _, stats = generator(tiny).generate([[1, 2, 3]], max_new=10, stop_ids=set(), check_every=4)
-    assert stats.decode_steps == 9 and stats.first_step_s == 0
-    assert "first decode step" not in G.report(stats, [[1] * 10])
+def test_each_new_attended_length_warms_up_apart(tiny):
+    """Compiled, the first decode step at each new attended length (its bucket: 64, then 128)
+    compiles or records its own graph: it runs alone between two checks and is timed apart, never
+    as decode; a second generation at those lengths warms nothing up. Eagerly nothing warms up,
+    and the report names no warm-up; the checks still fall at the buckets' ends."""
+    prompt = list(range(1, 61))  # its next positions attend to 64, from position 64 on to 128
+    seen = []
+    gen = generator(tiny, capacity=256, compile=True)
+    _, stats = gen.generate([prompt], max_new=20, stop_ids=set(), check_every=8,
+                            on_tokens=lambda rows: seen.append(len(rows[0])))
+    # Warm-ups: the step that makes token 2 (attending to 64) and token 6 (to 128)
+    assert seen == [1, 2, 5, 6, 14, 20] and stats.decode_steps == 17 and stats.warmup_s > 0
+    _, again = gen.generate([prompt], max_new=20, stop_ids=set(), check_every=8)
+    assert again.decode_steps == 19 and again.warmup_s == 0
+    seen.clear()
+    _, stats = generator(tiny, capacity=256).generate(
+        [prompt], max_new=20, stop_ids=set(), check_every=8,
+        on_tokens=lambda rows: seen.append(len(rows[0])))
+    assert seen == [1, 5, 13, 20] and stats.decode_steps == 19 and stats.warmup_s == 0
+    assert "compiling or capturing" not in G.report(stats, [[1] * 20])
     _, stats = generator(tiny).generate([[1, 2, 3]], max_new=1, stop_ids=set())
-    assert stats.decode_steps == 0 and stats.first_step_s == 0 and stats.decode_s == 0
+    assert stats.decode_steps == 0 and stats.warmup_s == 0 and stats.decode_s == 0
+
+
+def test_ctrl_c_in_the_decode_loop_returns_what_was_made(tiny):
+    """KeyboardInterrupt (Ctrl-C, or SIGTERM and SIGHUP in our commands) anywhere in the decode
+    loop ends it: the tokens made so far come back, read once more, with stats.interrupted; the
+    Generator goes on working."""
+    gen = generator(tiny)
+    full, _ = gen.generate([[1, 2, 3]], max_new=30, stop_ids=set(), check_every=4)
+    checks = []
+
+    def pressed(rows):
+        checks.append(len(rows[0]))
+        if len(checks) == 3:
+            raise KeyboardInterrupt
+    rows, stats = gen.generate([[1, 2, 3]], max_new=30, stop_ids=set(), check_every=4,
+                               on_tokens=pressed)
+    assert stats.interrupted and checks == [1, 5, 9, 9] and rows == [full[0][:9]]
+    again, stats = gen.generate([[1, 2, 3]], max_new=30, stop_ids=set(), check_every=4)
+    assert again == full and not stats.interrupted
 
 
 def test_generator_takes_fewer_prompts_than_its_batch(tiny):
@@ -1659,6 +1714,8 @@ def test_cli_ctrl_c_prints_what_was_generated_and_exits_130(tiny):
     assert r.returncode == 130 and "Traceback" not in r.stderr, r.stderr
     assert (len(r.stdout) > 1 and full.startswith(r.stdout.removesuffix("\n"))
             and len(r.stdout) < len(full))
+    # The report of what was made: the two checks' tokens
+    assert r.stderr.splitlines()[-1].startswith("Interrupted: 3 new tokens in 1 row."), r.stderr
     r = with_patch(CTRL_C_AT_THE_SECOND_CHECK, "generate.py", *args, "--prompt", "hello",
                    "--prompt", "world")
     assert r.returncode == 130 and "Traceback" not in r.stderr, r.stderr
@@ -1673,7 +1730,7 @@ def test_cli_stopped_by_a_signal_ends_as_ctrl_c_does(tiny, signal_name):
         "raise KeyboardInterrupt", f"os.kill(os.getpid(), signal.{signal_name})")
     r = with_patch("\n    import os, signal" + patch, "generate.py", *args)
     assert r.returncode == 130 and "Traceback" not in r.stderr, r.stderr
-    assert len(r.stdout) > 1
+    assert len(r.stdout) > 1 and r.stderr.splitlines()[-1].startswith("Interrupted: ")
 
 
 @pytest.mark.parametrize("script", ["generate.py", "convert_hf_checkpoint.py"])
@@ -1818,16 +1875,17 @@ def test_eos_comes_from_config_json_too(tiny, tmp_path):
 
 
 def test_report_says_what_a_user_can_act_on():
-    stats = G.GenerationStats(prefill_s=0.05, first_step_s=2.0, decode_s=0.5, decode_steps=50)
+    stats = G.GenerationStats(prefill_s=0.05, warmup_s=2.0, decode_s=0.5, decode_steps=50)
     assert G.report(stats, [[1] * 30, [2] * 52]) == (
-        "82 new tokens in 2 rows. Time to first token 0.050 s; the first decode step 2.00 s; then "
-        "100.0 tok/s per row, 200.0 in all, over 50 steps.")
-    one = G.GenerationStats(prefill_s=0.05, first_step_s=0.0, decode_s=0.0, decode_steps=0)
+        "82 new tokens in 2 rows. Time to first token 0.050 s; compiling or capturing decode steps "
+        "2.00 s; then 100.0 tok/s per row, 200.0 in all, over 50 steps.")
+    one = G.GenerationStats(prefill_s=0.05, warmup_s=0.0, decode_s=0.0, decode_steps=0)
     assert G.report(one, [[1]]) == "1 new token in 1 row. Time to first token 0.050 s."
-    once = G.GenerationStats(prefill_s=0.05, first_step_s=0.1, decode_s=0.01, decode_steps=1)
-    assert G.report(once, [[1, 2, 3]]).endswith("in 1 row. Time to first token 0.050 s; the "
-                                                "first decode step 0.10 s; then 100.0 tok/s per "
-                                                "row, 100.0 in all, over 1 step.")
+    once = G.GenerationStats(prefill_s=0.05, warmup_s=0.1, decode_s=0.01, decode_steps=1,
+                             interrupted=True)
+    assert G.report(once, [[1, 2, 3]]) == (
+        "Interrupted: 3 new tokens in 1 row. Time to first token 0.050 s; compiling or capturing "
+        "decode steps 0.10 s; then 100.0 tok/s per row, 100.0 in all, over 1 step.")
 
 
 def test_cli_float16(tiny, capsys):
@@ -1860,15 +1918,14 @@ def test_loading_and_an_eager_generation_never_import_dynamo(tiny):
 
 
 def test_the_first_check_comes_right_after_the_prefill(tiny):
-    """The first text as soon as the first token exists, then after the first decode step (timed
-    apart), then every check_every steps."""
+    """The first text as soon as the first token exists, then every check_every steps."""
     gen = generator(tiny, batch=2)
     seen = []
     rows, stats = gen.generate([[1, 2, 3], [4, 5, 6, 7, 8]], max_new=20, stop_ids=set(),
                                check_every=8, on_tokens=lambda rows: seen.append(len(rows[0])))
-    assert seen == [1, 2, 10, 18, 20] and list(map(len, rows)) == [20, 20]
-    # Eagerly the first decode step is one more step, not timed apart
-    assert stats.decode_steps == 19 and stats.prefill_s > 0 and stats.first_step_s == 0
+    assert seen == [1, 9, 17, 20] and list(map(len, rows)) == [20, 20]
+    # Eagerly every decode step is timed as one
+    assert stats.decode_steps == 19 and stats.prefill_s > 0 and stats.warmup_s == 0
     seen.clear()
     gen.generate([[1, 2, 3]], max_new=1, stop_ids=set(), on_tokens=lambda rows: seen.append(rows))
     assert len(seen) == 1 and len(seen[0][0]) == 1
@@ -1943,7 +2000,7 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
     ({"head_dim": 0}, "head_dim is 0; it must be above 0"),
     ({"num_key_value_heads": 3}, "num_attention_heads is no multiple of num_key_value_heads"),
     ({**MOE, "decoder_sparse_step": 0}, "decoder_sparse_step is 0; it must be above 0"),
-    ({**MOE, "num_experts_per_tok": 9}, "num_experts_per_tok 9 is over num_experts 8"),
+    ({**MOE, "num_experts_per_tok": 9}, "num_experts_per_tok is over num_experts"),
     ({**MOE, "num_experts_per_tok": 0}, "num_experts_per_tok is 0; it must be above 0"),
     ({**MOE, "moe_intermediate_size": 0}, "moe_intermediate_size is 0; it must be above 0"),
     ({"rope_parameters": {**YARN, "factor": 0}}, "YaRN's factor is 0; it must be above 0"),
@@ -2057,10 +2114,12 @@ def test_a_full_stdout_is_one_line(tiny, snapshot, tmp_path):
                    "--checkpoint", tiny, "--prompt", "hi", "--max-new-tokens", "4"]
         r = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
         one_line_error(r, "[Errno 28] No space left on device")
+        # The converter writes nothing to stdout: its one message is on stderr
         command = [sys.executable, os.path.join(HERE, "convert_hf_checkpoint.py"),
                    "--checkpoint-dir", str(snapshot), "--output", str(tmp_path / "out")]
         r = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
-        one_line_error(r, "[Errno 28] No space left on device")
+        assert r.returncode == 0 and r.stderr == f"wrote {tmp_path / 'out'}\n", r.stderr
+        assert (tmp_path / "out" / "config.json").is_file()
 
 
 # ---------------------------------------------------------------- tensor parallelism (tp.py)
