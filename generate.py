@@ -627,7 +627,7 @@ def main(argv=None, command=None):
     try:
         (command or run)(argv)
     except KeyboardInterrupt:  # before the decode loop: nothing was generated
-        exit_interrupted("interrupted: nothing was generated")
+        exit_interrupted("interrupted")
     except USER_ERRORS as e:
         # Under torchrun every rank reads the same flags and files: rank 0 alone says what is wrong
         # with them. Anything else (a traceback) is printed by the rank where it happens.

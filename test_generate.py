@@ -203,7 +203,8 @@ def with_patch(patch, script, *args, stdin=None):
     `patch`: how the tests press Ctrl-C at a chosen moment."""
     code = "\n".join(["import sys", f"sys.path.insert(0, {HERE!r})",
                       f"sys.argv = [{script!r}, *{list(args)!r}]",
-                      "import generate, convert_hf_checkpoint", textwrap.dedent(patch),
+                      f"import generate, convert_hf_checkpoint, {script.removesuffix('.py')}",
+                      textwrap.dedent(patch),
                       f"{script.removesuffix('.py')}.main()"])
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, input=stdin,
                           timeout=300)
@@ -1198,7 +1199,8 @@ def test_the_python_api_refuses_bad_arguments_naming_them(tiny):
         with pytest.raises(UserError, match=re.escape(f"messages {messages!r}: a list of dicts")):
             tokenizer.chat(messages)
     for ids in ([-1], [1.0], "hi"):
-        with pytest.raises(UserError, match=re.escape(f"{ids!r}: decode takes a list of token ids")):
+        message = f"{ids!r}: decode takes a list of token ids"
+        with pytest.raises(UserError, match=re.escape(message)):
             tokenizer.decode(ids)
 
 
@@ -2625,3 +2627,124 @@ def test_the_library_reads_at_the_anchors_density():
         numbers = code_line_numbers(text)
         chars = sum(len(text.splitlines()[number - 1].strip()) for number in numbers)
         assert chars / len(numbers) <= 46, (name, chars / len(numbers))
+
+
+# ---------------------------------------------------------------- the conversation (chat.py)
+
+THREE_TURNS = [("hi", None), ("why is the sky blue?", "be brief"), ("and at night?", None)]
+
+
+def conversation_of(path, thinking=True, capacity=512, **flags):
+    """chat.py's Conversation over a fresh greedy fp32 Generator: 8 tokens a reply, no stop."""
+    import chat
+    checkpoint = G.load(path)
+    gen = G.Generator(checkpoint.model, batch=1, capacity=capacity, sampling=GREEDY, **flags)
+    return chat.Conversation(checkpoint, gen, "be brief", thinking, max_new=8, stop_ids=set(),
+                             check_every=4)
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_chat_renders_every_turn_as_transformers_does(tiny, thinking):
+    """Three turns, replies with their thinking among them: our tokens are those of transformers'
+    apply_chat_template over the same conversation."""
+    import transformers
+    theirs = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=os.path.join(tiny, "tokenizer.json"))
+    chat = conversation_of(tiny, thinking)
+    messages = [{"role": "system", "content": "be brief"}]
+    for number, (user, _) in enumerate(THREE_TURNS):
+        messages.append({"role": "user", "content": user})
+        want = theirs.apply_chat_template(messages, chat_template=QWEN3_CHAT_TEMPLATE,
+                                          tokenize=True, add_generation_prompt=True,
+                                          enable_thinking=thinking, return_dict=False)
+        assert chat.render(messages) == list(want)
+        reply = f"<think>\nstep {number}\n</think>\n\nanswer {number}"
+        messages.append({"role": "assistant", "content": reply})
+
+
+@pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe"])
+def test_chat_replies_as_a_fresh_generator_prefilling_only_the_new_tokens(checkpoint, request):
+    """fp32, greedy: each turn's reply equals a fresh Generator's on the whole conversation's
+    rendering, while the model runs only the tokens the cache doesn't hold (counted)."""
+    path = request.getfixturevalue(checkpoint)
+    chat = conversation_of(path)
+    ran = []
+    prefill = chat.gen.prefill_step
+    chat.gen.prefill_step = lambda positions, kv: (ran.append(positions.shape[1]),
+                                                   prefill(positions, kv))
+    for number, (user, _) in enumerate(THREE_TURNS):
+        ids = chat.render(chat.messages + [{"role": "user", "content": user}])
+        reply = chat.say(user)
+        assert ran[-1] == reply.prefilled == len(ids) - reply.reused
+        assert (reply.reused > 20) == (number > 0) and not reply.started_over
+        fresh = greedy(path, [ids], max_new=8)[0]
+        assert reply.tokens == fresh and len(fresh) == 8
+    assert len(ran) == 3
+
+
+def test_chat_compiled_compiles_no_prefill_again_for_new_start_positions(tiny):
+    """Compiled, a turn's prefill after cached tokens compiles once: later turns, at new start
+    positions and attended lengths, run what was compiled (the same text as eagerly)."""
+    from torch._dynamo.utils import counters
+    eager = conversation_of(tiny)
+    compiled = conversation_of(tiny, compile=True)
+    graphs = []
+    for user, _ in THREE_TURNS * 2:
+        assert compiled.say(user).tokens == eager.say(user).tokens
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1] > graphs[0] and len(set(graphs[1:])) == 1, graphs
+
+
+def test_chat_through_a_pipe(tiny):
+    """Turns from a pipe: replies streamed, a report each; Ctrl-C in the first reply stops it and
+    the conversation goes on; a line that is not UTF-8 and a turn too long alone are refused in
+    one line each; a conversation that outgrows the cache starts over; an empty line ends it."""
+    too_long = " ".join(["word"] * 80)
+    turns = ["hello", "and then?", "\udcff bad", too_long, "one more", "and again", "more", "",
+             "unread"]
+    stdin = "\n".join(turns).encode("utf-8", "surrogateescape")
+    args = ["--device", "cpu", "--checkpoint", tiny, "--max-new-tokens", "12", "--check-every",
+            "4", "--temperature", "1", "--seed", "0", "--cache-len", "96"]
+    code = "\n".join(["import sys", f"sys.path.insert(0, {HERE!r})",
+                      f"sys.argv = ['chat.py', *{args!r}]", "import generate, chat",
+                      textwrap.dedent(CTRL_C_AT_THE_SECOND_CHECK), "chat.main()"])
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, input=stdin,
+                       timeout=300)
+    stderr = r.stderr.decode().splitlines()
+    assert r.returncode == 0, stderr
+    reports = [line for line in stderr if "prefilled" in line]
+    assert "Interrupted: 5 new tokens" in reports[0], stderr
+    assert len(reports) == 5 and " 0 reused" not in reports[1], stderr
+    assert stderr.count("error: that line is not UTF-8 text: type it again") == 1
+    refused = [line for line in stderr if line.startswith("error: this turn (")]
+    assert len(refused) == 1 and "over the cache length (96)" in refused[0], stderr
+    assert sum("starts over from the system message" in line for line in stderr) == 1, stderr
+    assert not any("Traceback" in line for line in stderr)
+
+
+@needs_cuda
+@pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe"])
+def test_cuda_chat_one_text_in_every_mode_with_no_host_sync_in_a_step(checkpoint, request):
+    """bf16 on CUDA: three turns give the same replies eagerly, compiled and graphed, and no
+    prefill or decode step of a later conversation waits for the host."""
+    import chat
+    path = request.getfixturevalue(checkpoint)
+    replies = {}
+    for mode, flags in MODES.items():
+        checkpoint = G.load(path, "cuda", torch.float32)
+        gen = G.Generator(checkpoint.model, batch=1, capacity=512, sampling=GREEDY, **flags)
+        talk = chat.Conversation(checkpoint, gen, None, max_new=16, stop_ids=set())
+        replies[mode] = [talk.say(user).tokens for user, _ in THREE_TURNS]
+
+        def checked(step):
+            def run(*args):
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    step(*args)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            return run
+        gen.decode_step, gen.prefill_step = checked(gen.decode_step), checked(gen.prefill_step)
+        talk = chat.Conversation(checkpoint, gen, None, max_new=16, stop_ids=set())
+        assert [talk.say(user).tokens for user, _ in THREE_TURNS] == replies[mode]
+    assert replies["compile"] == replies["eager"] == replies["graph"]

@@ -1,0 +1,143 @@
+"""Chats with Qwen3, keeping the conversation's cache: each turn prefills only what is new.
+
+    python chat.py --cuda-graph  # checkpoints/Qwen/Qwen3-0.6B/converted
+    python chat.py --device cpu --no-think --system "Answer in one sentence."
+    printf 'Hi!\\nAnd then?\\n' | python chat.py --compile  # turns from a pipe
+
+A turn is a line: typed after a `> ` prompt (with line editing), or read from a pipe. An empty line
+or the end of the input ends the conversation. Ctrl-C during a reply stops it, and what it said
+stays in the conversation; at the prompt, it ends. generate.py's flags, but --prompt and --chat.
+Optional: generate.py works without this file.
+"""
+import dataclasses
+import sys
+from dataclasses import dataclass
+
+import torch
+
+import generate
+from convert_hf_checkpoint import UserError, require
+
+# The cache's positions without --cache-len, within the model's own
+CACHE_LEN = 8192
+
+
+@dataclass
+class Reply:
+    tokens: list[int]  # the reply, cut before its stop token
+    stats: generate.GenerationStats
+    prefilled: int  # the turn's tokens that ran through the model
+    reused: int  # the cached tokens of earlier turns it kept
+    started_over: bool  # the conversation outgrew the cache: only the system message was kept
+
+
+class Conversation:
+    """A conversation in cache row 0 of `gen`. Each turn renders the whole conversation with the
+    chat template, as transformers' apply_chat_template does, keeps the cached tokens of the longest
+    prefix that rendering shares with what the cache holds, and prefills the rest
+    (generate(..., start=)). Qwen3's template drops the thinking of earlier replies, so a reply that
+    thought is prefilled again without it: what is reused is what the renderings share."""
+
+    def __init__(self, checkpoint: generate.Checkpoint, gen: generate.Generator,
+                 system: str | None = None, thinking: bool = True, **options):
+        self.tokenizer = checkpoint.tokenizer
+        self.gen = gen
+        self.thinking = thinking
+        self.options = options  # generate()'s max_new, stop_ids and check_every
+        self.system = [{"role": "system", "content": system}] if system else []
+        self.messages = list(self.system)
+        self.cached = []  # the tokens whose keys and values cache row 0 holds, from position 0
+
+    def render(self, messages: list[dict]) -> list[int]:
+        return self.tokenizer.encode(self.tokenizer.chat(messages, self.thinking))
+
+    def say(self, text: str, on_tokens=None) -> Reply:
+        """The reply to the user's `text`, streamed to on_tokens. A conversation over the cache
+        starts over from the system message; a turn that alone is over it is refused."""
+        turn = [{"role": "user", "content": text}]
+        ids = self.render(self.messages + turn)
+        room = self.gen.capacity - self.options["max_new"]  # for the rendered conversation
+        started_over = len(ids) > room
+        if started_over:
+            ids = self.render(self.system + turn)
+            require(len(ids) <= room, f"this turn ({len(ids)} tokens with the system message) + "
+                    f"max new tokens is over the cache length ({self.gen.capacity})")
+            self.messages, self.cached = list(self.system), []
+        # At least the last token runs: its logits draw the reply's first
+        reused = min(common_prefix(self.cached, ids), len(ids) - 1)
+        try:
+            rows, stats = self.gen.generate([ids[reused:]], start=reused, on_tokens=on_tokens,
+                                            **self.options)
+        except KeyboardInterrupt:  # in the prefill: no reply, and the turn is not kept
+            self.cached = self.cached[:reused]
+            raise UserError("interrupted before the reply began: the turn is dropped") from None
+        self.messages += [*turn, {"role": "assistant", "content": self.tokenizer.decode(rows[0])}]
+        # The reply's last token was drawn, never fed: the cache holds the rest
+        self.cached = (ids + rows[0])[:-1]
+        return Reply(rows[0], stats, len(ids) - reused, reused, started_over)
+
+
+def common_prefix(first: list[int], second: list[int]) -> int:
+    """How many leading tokens two token lists share."""
+    shared = 0
+    while shared < min(len(first), len(second)) and first[shared] == second[shared]:
+        shared += 1
+    return shared
+
+
+def read_turn(interactive: bool) -> str:
+    """The next line: typed after a `> ` prompt (readline's editing, where Python has it), or
+    read from a pipe; "" at the end of the input."""
+    try:
+        if interactive:
+            return input("> ")
+        # Bytes: a line that is not UTF-8 is refused alone, the next ones still read
+        return sys.stdin.buffer.readline().decode().rstrip("\n")
+    except EOFError:
+        return ""
+    except UnicodeDecodeError:
+        raise UserError("that line is not UTF-8 text: type it again") from None
+
+
+def converse(argv) -> None:
+    args = generate.parse_args(argv, __doc__, prompts=False)
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    checkpoint = generate.load(args.checkpoint, args.device, dtype)
+    sampling = dataclasses.replace(checkpoint.sampling, **args.sampling)
+    most = checkpoint.model.args.max_position_embeddings
+    capacity = args.cache_len or min(CACHE_LEN, most)
+    gen = generate.Generator(checkpoint.model, batch=1, capacity=capacity, sampling=sampling,
+                             compile=args.compile, cuda_graph=args.cuda_graph)
+    stop_ids = checkpoint.stop_ids | set(args.stop_ids)
+    chat = Conversation(checkpoint, gen, args.system, not args.no_think, stop_ids=stop_ids,
+                        max_new=args.max_new_tokens, check_every=args.check_every)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        import readline  # noqa: F401 (input() edits lines with it)
+    while True:
+        # Ctrl-C at the prompt ends the conversation; during a reply, the reply (in generate())
+        try:
+            text = read_turn(interactive)
+            if not text.strip():
+                return
+            stream = generate.TextStream(checkpoint.tokenizer.decode, [text])
+            reply = chat.say(text, on_tokens=stream)
+        except UserError as e:  # this turn alone: the conversation goes on
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        stream.finish()
+        if reply.started_over:
+            print("the conversation outgrew the cache: it starts over from the system message",
+                  file=sys.stderr)
+        print(f"{reply.prefilled} tokens prefilled, {reply.reused} reused. "
+              f"{generate.report(reply.stats, [reply.tokens])}", file=sys.stderr)
+
+
+def main(argv=None):
+    generate.main(argv, command=converse)
+
+
+if __name__ == "__main__":
+    main()
