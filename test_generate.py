@@ -1461,6 +1461,17 @@ def test_cuda_sampling_is_seeded_and_fresh_every_step(tiny, mode):
     assert len(set(runs[0])) > 10
 
 
+def no_host_sync(step):
+    """`step`, failing wherever it waits for the host (torch's sync debug mode)."""
+    def run(*args):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return run
+
+
 @needs_cuda
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("prompts", [[[1, 2, 3]], [[1, 2, 3], [4, 5, 6, 7, 8]]],
@@ -1475,16 +1486,7 @@ def test_cuda_no_host_sync_inside_prefill_and_decode_steps(checkpoint, prompts, 
     if checkpoint == "tiny_moe":
         assert grouped_mm_of(gen.model) == {torch.cuda.get_device_capability()[0] in (9, 10)}
     gen.generate(prompts, max_new=40, stop_ids=set())  # warm-up: compile and capture
-
-    def checked(step):
-        def run(*args):
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                step(*args)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        return run
-    gen.decode_step, gen.prefill_step = checked(gen.decode_step), checked(gen.prefill_step)
+    gen.decode_step, gen.prefill_step = no_host_sync(gen.decode_step), no_host_sync(gen.prefill_step)
     out = gen.generate(prompts, max_new=40, stop_ids=set())[0]
     assert [len(row) for row in out] == [40] * len(prompts)
 
@@ -2735,16 +2737,8 @@ def test_cuda_chat_one_text_in_every_mode_with_no_host_sync_in_a_step(checkpoint
         gen = G.Generator(checkpoint.model, batch=1, capacity=512, sampling=GREEDY, **flags)
         talk = chat.Conversation(checkpoint, gen, None, max_new=16, stop_ids=set())
         replies[mode] = [talk.say(user).tokens for user, _ in THREE_TURNS]
-
-        def checked(step):
-            def run(*args):
-                torch.cuda.set_sync_debug_mode("error")
-                try:
-                    step(*args)
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-            return run
-        gen.decode_step, gen.prefill_step = checked(gen.decode_step), checked(gen.prefill_step)
+        gen.decode_step = no_host_sync(gen.decode_step)
+        gen.prefill_step = no_host_sync(gen.prefill_step)
         talk = chat.Conversation(checkpoint, gen, None, max_new=16, stop_ids=set())
         assert [talk.say(user).tokens for user, _ in THREE_TURNS] == replies[mode]
     assert replies["compile"] == replies["eager"] == replies["graph"]
