@@ -1486,7 +1486,8 @@ def test_cuda_no_host_sync_inside_prefill_and_decode_steps(checkpoint, prompts, 
     if checkpoint == "tiny_moe":
         assert grouped_mm_of(gen.model) == {torch.cuda.get_device_capability()[0] in (9, 10)}
     gen.generate(prompts, max_new=40, stop_ids=set())  # warm-up: compile and capture
-    gen.decode_step, gen.prefill_step = no_host_sync(gen.decode_step), no_host_sync(gen.prefill_step)
+    gen.decode_step = no_host_sync(gen.decode_step)
+    gen.prefill_step = no_host_sync(gen.prefill_step)
     out = gen.generate(prompts, max_new=40, stop_ids=set())[0]
     assert [len(row) for row in out] == [40] * len(prompts)
 
