@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 import generate
-from convert_hf_checkpoint import UserError, require
+from convert_hf_checkpoint import UserError, optional, require
 
 # The cache's positions without --cache-len, within the model's own
 CACHE_LEN = 8192
@@ -114,8 +114,8 @@ def converse(argv) -> None:
     chat = Conversation(checkpoint, gen, args.system, not args.no_think, stop_ids=stop_ids,
                         max_new=args.max_new_tokens, check_every=args.check_every)
     interactive = sys.stdin.isatty()
-    if interactive:
-        import readline  # noqa: F401 (input() edits lines with it)
+    if interactive:  # input() edits lines with readline, where Python has it
+        optional("readline")
     while True:
         # Ctrl-C at the prompt ends the conversation; during a reply, the reply (in generate())
         try:
