@@ -51,8 +51,8 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def optional(name: str):
-    """One of our optional files (quantize.py, qwen3_triton.py, tp.py) as a module; None where it
-    is missing, or what it needs (Triton) is."""
+    """An optional module (our quantize.py, qwen3_triton.py, tp.py; Python's readline), or None
+    where it is missing, or what it needs (Triton) is."""
     try:
         return importlib.import_module(name)
     except ImportError:
