@@ -3,7 +3,7 @@
 Our weights: fused qkv and gate-up products, each MoE layer's experts stacked, in safetensors.
 
     python convert_hf_checkpoint.py --checkpoint-dir checkpoints/Qwen/Qwen3-8B  # .../converted
-    python convert_hf_checkpoint.py --checkpoint-dir checkpoints/Qwen/Qwen3-8B --int8  # ...-int8
+    python convert_hf_checkpoint.py --checkpoint-dir checkpoints/Qwen/Qwen3-8B --quantize int4
 
 Tensors are read one at a time and written in shards, so memory stays near one shard whatever the
 model's size. The output is written to a hidden directory beside its destination and renamed into
@@ -277,24 +277,21 @@ def joined(src: pathlib.Path, name: str, parts: list[str], files: dict, meta) ->
     return weight.view(meta.shape)
 
 
-def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) -> None:
+def convert(src: str, out: str, quantization: str | None = None,
+            shard_bytes: int = 2 << 30) -> None:
     src = pathlib.Path(src)
     args, config = snapshot_args(src)
-    if int8:
+    if quantization:
         try:
             import quantize
         except ImportError:
-            raise UserError("int8 needs quantize.py beside this file") from None
-        config["quantization"] = "int8"
+            raise UserError(f"{quantization} needs quantize.py beside this file") from None
+        config = quantize.quantized_config(config, quantization)
     with torch.device("meta"):
         model = Transformer(args)
-        if int8:
-            quantize.swap_in_int8(model)
     expected = checkpoint_tensors(model)
-    sources = {}  # our tensor -> its Hugging Face parts; int8 scales come from the weights
-    for name, meta in expected.items():
-        if not name.endswith("_scale"):
-            sources[name] = hf_names(name, meta)
+    # our tensor -> its Hugging Face parts
+    sources = {name: hf_names(name, meta) for name, meta in expected.items()}
     files = list_tensors(src, "*.safetensors")
     placed = {hf for parts in sources.values() for hf in parts} | {"lm_head.weight"}
     unknown = files.keys() - placed
@@ -304,12 +301,11 @@ def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) 
 
     def tensors():
         for name, parts in sources.items():
-            weight = joined(src, name, parts, files, expected[name])
-            if int8:
-                yield from quantize.quantized(name, weight, expected).items()
-            else:
-                yield name, weight
-    write_checkpoint(out, tensors(), len(expected), config, src, shard_bytes)
+            yield name, joined(src, name, parts, files, expected[name])
+    pairs, count = tensors(), len(expected)
+    if quantization:  # a tensor at a time, as read
+        pairs, count = quantize.quantizing(config, pairs)
+    write_checkpoint(out, pairs, count, config, src, shard_bytes)
 
 
 def write_checkpoint(out: str, tensors, count: int, config: dict, src: pathlib.Path,
@@ -384,17 +380,17 @@ def main(argv=None):
     parser.add_argument("--checkpoint-dir", required=True,
                         help="a Hugging Face Qwen3 snapshot (config.json + *.safetensors)")
     parser.add_argument("--output", help="where to write (default: CHECKPOINT_DIR/converted, "
-                        "or converted-int8)")
-    parser.add_argument("--int8", action="store_true",
-                        help="int8 weight-only (the blocks, an untied lm_head): quantize.py")
+                        "or converted-int8 / -int4)")
+    parser.add_argument("--quantize", choices=["int8", "int4"],
+                        help="weight-only, by quantize.py (int4: groups of 128 columns)")
     parser.add_argument("--shard-size-mb", type=positive, default=2048,
                         help="size of each output file")
     stop_on_signals()
     try:
         args = parser.parse_args(argv)
-        name = "converted-int8" if args.int8 else "converted"
+        name = f"converted-{args.quantize}" if args.quantize else "converted"
         out = os.path.join(args.checkpoint_dir, name) if args.output is None else args.output
-        convert(args.checkpoint_dir, out, args.int8, args.shard_size_mb << 20)
+        convert(args.checkpoint_dir, out, args.quantize, args.shard_size_mb << 20)
         print(f"wrote {out}", flush=True)
     except KeyboardInterrupt:
         print("interrupted: nothing was written", file=sys.stderr)

@@ -23,8 +23,8 @@ try:
                                        model_args, positive, read_json, read_tokenizer,
                                        require, show_progress, stop_on_signals)
     from model import Transformer
-    # Optional files: int8 checkpoints, the Triton fast path (without it, or Triton, PyTorch's ops
-    # run everywhere), tensor parallelism under torchrun
+    # Optional files: quantized checkpoints, the Triton fast path (without it, or Triton,
+    # PyTorch's ops run everywhere), tensor parallelism under torchrun
     try:
         import quantize
     except ImportError:
@@ -441,7 +441,7 @@ def load_model(path: str, device="cpu", dtype: torch.dtype | None = None,
                split=None) -> Transformer:
     """The model of a converted checkpoint, on `device` in `dtype` (default: bf16 on CUDA, fp32 on
     the CPU), read straight there: a tensor at a time from its file, no second copy in host or
-    device memory. An int8 checkpoint gets quantize.py's modules first. split (tp.py's
+    device memory. A quantized checkpoint gets quantize.py's modules first. split (tp.py's
     TensorParallel): this rank's share alone, at its shapes (split.rank_args), each tensor's slice
     read (split.read), the all-reduces added (split.apply)."""
     device = torch.device(device)
@@ -453,7 +453,6 @@ def load_model(path: str, device="cpu", dtype: torch.dtype | None = None,
     require(dtype in floats, f"dtype {dtype!r}: use torch.bfloat16, torch.float16 or torch.float32")
     config = converted_config(path)
     quantization = config["quantization"]
-    require(quantization in (None, "int8"), f"config.json: unknown quantization {quantization!r}")
     needs = quantization and quantize is None
     require(not needs, f"{path} is {quantization}: loading it needs quantize.py")
     args = model_args(config)
@@ -462,7 +461,7 @@ def load_model(path: str, device="cpu", dtype: torch.dtype | None = None,
     with torch.device("meta"):
         model = Transformer(args)
         if quantization:
-            quantize.swap_in_int8(model)
+            quantize.swap_in(model, config)
     expected = {name: t.shape for name, t in checkpoint_tensors(model).items()}
     tensors = list_tensors(path, "model*.safetensors")  # name -> its file
     state = {}
@@ -474,7 +473,7 @@ def load_model(path: str, device="cpu", dtype: torch.dtype | None = None,
                     tensor = opened.get_tensor(name)
                 else:  # this rank's slice of it alone is read
                     tensor = split.read(name, opened.get_slice(name)).to(device)
-                if tensor.dtype != torch.int8:
+                if tensor.is_floating_point():
                     tensor = tensor.to(dtype)
                 state[name] = tensor
                 show_progress(f"loading {path}", len(state), len(tensors))

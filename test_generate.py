@@ -537,8 +537,8 @@ def test_the_card_files_work_without_the_fast_path(tiny, tmp_path):
     assert r.returncode == 0 and "5 new tokens" in r.stderr, r.stderr
     assert not os.path.exists(tmp_path / "qwen3_triton.py")
     # int8 needs quantize.py: one line, nothing written
-    r = cli("--checkpoint-dir", str(tmp_path / "hf"), "--int8", script=script, cwd=tmp_path,
-            env=env)
+    r = cli("--checkpoint-dir", str(tmp_path / "hf"), "--quantize", "int8", script=script,
+            cwd=tmp_path, env=env)
     assert r.returncode == 1 and r.stderr == "error: int8 needs quantize.py beside this file\n"
     assert not (tmp_path / "hf" / "converted-int8").exists()
     shutil.copytree(tmp_path / "hf" / "converted", tmp_path / "int8")
@@ -943,7 +943,7 @@ def test_convert_cli_prints_one_line(snapshot):
 def test_int8_quality_against_fp32(tmp_path, tied, moe):
     hf, path = converted(tmp_path, hidden=128, heads=8, kv_heads=2, head_dim=32, layers=4,
                          vocab=2048, tied=tied, moe=moe)
-    convert.convert(str(tmp_path / "hf"), str(tmp_path / "int8"), int8=True)
+    convert.convert(str(tmp_path / "hf"), str(tmp_path / "int8"), quantization="int8")
     q8 = load(str(tmp_path / "int8"))
     assert q8.layers[0].self_attn.qkv_proj.weight.dtype == torch.int8
     assert q8.embed_tokens.weight.dtype == torch.float32
@@ -981,7 +981,7 @@ def test_int8_checkpoint_with_a_bf16_lm_head_is_refused_in_one_line(tmp_path):
     # untied int8 checkpoints written before lm_head was quantized: lm_head.weight in float, no
     # lm_head.weight_scale
     hf, path = converted(tmp_path)
-    convert.convert(str(tmp_path / "hf"), str(tmp_path / "int8"), int8=True)
+    convert.convert(str(tmp_path / "hf"), str(tmp_path / "int8"), quantization="int8")
     shards = sorted((tmp_path / "int8").glob("*.safetensors"))
     shard = next(f for f in shards if "lm_head.weight_scale" in load_file(f))
     state = load_file(shard)
@@ -999,7 +999,7 @@ def test_int8_modules_equal_their_dequantized_weights(tmp_path, moe):
     same model with the dequantized weights loaded as plain ones; and quantize.py's own conversion
     of a converted checkpoint writes the converter's --int8 tensors."""
     hf, path = converted(tmp_path, moe=moe)
-    convert.convert(str(tmp_path / "hf"), str(tmp_path / "int8"), int8=True)
+    convert.convert(str(tmp_path / "hf"), str(tmp_path / "int8"), quantization="int8")
     q8 = load(str(tmp_path / "int8"), capacity=64)
     plain = load(path, capacity=64)
     state = q8.state_dict()
@@ -1007,7 +1007,7 @@ def test_int8_modules_equal_their_dequantized_weights(tmp_path, moe):
         if weight.dtype == torch.int8:
             scale = state[f"{name}_scale"]
             plain.get_parameter(name).copy_(weight.float() * scale[..., None])
-    assert any(isinstance(m, Q.Int8Experts) for m in q8.modules()) == (moe is not None)
+    assert any(isinstance(m, Q.QuantizedExperts) for m in q8.modules()) == (moe is not None)
     prompt = list(range(1, 30))
     assert (forward(q8, prompt) - forward(plain, prompt)).abs().max() <= 1e-4
     r = cli("--checkpoint", path, "--mode", "int8", script=os.path.join(HERE, "quantize.py"))
@@ -1037,9 +1037,9 @@ def test_int8_quantize_roundtrip():
 
 def test_int8_bad_inputs(tmp_path, capsys):
     hf, path = converted(tmp_path)
-    convert.convert(str(tmp_path / "hf"), str(tmp_path / "int8"), int8=True)
+    convert.convert(str(tmp_path / "hf"), str(tmp_path / "int8"), quantization="int8")
     assert "already converted" in convert_error(["--checkpoint-dir", str(tmp_path / "int8"),
-                                                 "--int8"], capsys)
+                                                 "--quantize", "int8"], capsys)
     assert "already converted" in convert_error(["--checkpoint-dir", path], capsys)
     cfg = json.load(open(tmp_path / "int8" / "config.json"))
     json.dump({**cfg, "quantization": None}, open(tmp_path / "int8" / "config.json", "w"))
@@ -1504,7 +1504,7 @@ def test_cuda_graph_capture_changes_no_state(checkpoint, request):
 @pytest.mark.parametrize("moe", [None, dict(mlp_only_layers=[0])])
 def test_cuda_int8_modes_identical_greedy(tmp_path, moe):
     hf, path = converted(tmp_path, moe=moe)
-    convert.convert(str(tmp_path / "hf"), str(tmp_path / "int8"), int8=True)
+    convert.convert(str(tmp_path / "hf"), str(tmp_path / "int8"), quantization="int8")
     q8 = str(tmp_path / "int8")
     # fp32: in bf16 the fused dequantising reduction rounds once where eager rounds after the matmul
     # and again after the scale, which flips near-tied greedy choices of a random model.
@@ -2119,7 +2119,7 @@ def run_split(path, tmp_path, processes, kernels=False):
 
 def int8_of(tmp_path, **kw):
     converted(tmp_path, **kw)
-    convert.convert(str(tmp_path / "hf"), str(tmp_path / "int8"), int8=True)
+    convert.convert(str(tmp_path / "hf"), str(tmp_path / "int8"), quantization="int8")
     return str(tmp_path / "int8")
 
 
