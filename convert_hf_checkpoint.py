@@ -400,4 +400,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    # quantize.py imports this file: as this module, whose UserError main catches
+    sys.modules["convert_hf_checkpoint"] = sys.modules[__name__]
     main()
