@@ -279,6 +279,8 @@ def joined(src: pathlib.Path, name: str, parts: list[str], files: dict, meta) ->
 
 def convert(src: str, out: str, quantization: str | None = None,
             shard_bytes: int = 2 << 30) -> None:
+    """Converts the snapshot `src` into the new directory `out`, in shards of about shard_bytes;
+    with `quantization` ("int8", or "int4" in groups of 128), quantized by quantize.py as read."""
     src = pathlib.Path(src)
     args, config = snapshot_args(src)
     if quantization:
@@ -291,7 +293,7 @@ def convert(src: str, out: str, quantization: str | None = None,
         model = Transformer(args)
     expected = checkpoint_tensors(model)
     # our tensor -> its Hugging Face parts
-    sources = {name: hf_names(name, meta) for name, meta in expected.items()}
+    sources = {name: hf_names(name, expected[name]) for name in expected}
     files = list_tensors(src, "*.safetensors")
     placed = {hf for parts in sources.values() for hf in parts} | {"lm_head.weight"}
     unknown = files.keys() - placed
@@ -380,9 +382,9 @@ def main(argv=None):
     parser.add_argument("--checkpoint-dir", required=True,
                         help="a Hugging Face Qwen3 snapshot (config.json + *.safetensors)")
     parser.add_argument("--output", help="where to write (default: CHECKPOINT_DIR/converted, "
-                        "or converted-int8 / -int4)")
+                        "or converted-QUANTIZE)")
     parser.add_argument("--quantize", choices=["int8", "int4"],
-                        help="weight-only, by quantize.py (int4: groups of 128 columns)")
+                        help="weight-only, by quantize.py (int4 in groups of 128)")
     parser.add_argument("--shard-size-mb", type=positive, default=2048,
                         help="size of each output file")
     stop_on_signals()
@@ -400,6 +402,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    # quantize.py imports this file: as this module, whose UserError main catches
-    sys.modules["convert_hf_checkpoint"] = sys.modules[__name__]
-    main()
+    # As the module that quantize.py imports too: one UserError, which main catches
+    import convert_hf_checkpoint
+    convert_hf_checkpoint.main()

@@ -66,18 +66,17 @@ def quantize(name: str, weight: Tensor, group_size: int | None) -> dict[str, Ten
 
 def dequantized(module: nn.Module, name: str, dtype) -> Tensor:
     """The weight (..., n_out, n_in) that `module` holds quantized as `name` and its scale (and
-    offset), in dtype. One expression of the stored tensors: compiled, inductor fuses it into one
-    kernel and writes no full-precision copy of the unpacked integers."""
+    offset), in dtype: one expression of the stored tensors, which inductor fuses into one kernel
+    (no full-precision copy of the unpacked integers)."""
     q = getattr(module, name)
     scale = getattr(module, f"{name}_scale")[..., None].to(dtype)
+    # In place: a MoE layer's experts are gigabytes at full precision
     if q.dtype == torch.int8:
-        return q.to(dtype) * scale
+        return q.to(dtype).mul_(scale)
     offset = getattr(module, f"{name}_offset")[..., None].to(dtype)
-    # (..., n_out, n_in): byte j's low nibble, column 2j, then its high one
-    unpacked = torch.stack((q & 15, q >> 4), dim=-1).flatten(-2)
-    # (..., n_out, groups, group_size), a scale and an offset per group
-    groups = unpacked.unflatten(-1, (scale.shape[-2], -1)).to(dtype)
-    return (groups * scale + offset).flatten(-2)
+    # (..., n_out, groups, group_size): byte j's low nibble is column 2j, its high one 2j + 1
+    groups = torch.stack((q & 15, q >> 4), -1).flatten(-2).unflatten(-1, (scale.shape[-2], -1))
+    return groups.to(dtype).mul_(scale).add_(offset).flatten(-2)
 
 
 def add_buffers(module: nn.Module, name: str, shape, group_size: int | None) -> None:

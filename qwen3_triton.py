@@ -3,7 +3,7 @@ dense layer, and the top-k / top-p draw of generate.sample in two launches.
 
 A decode step at batch 1 reads every weight once and is bound by its many small kernels (each a
 launch gap and a ramp-up, even in a CUDA graph). So each product here is one matrix-vector kernel
-with its neighbours fused in: the RMSNorm before it, the SiLU gate, int8 dequantisation, the
+with its neighbours fused in: the RMSNorm before it, the SiLU gate, int8 or int4 dequantisation, the
 residual after it, and for MoE the router's picks and weights. Attention is one split-KV kernel for
 one query a row, with the q/k norms, RoPE and the cache write fused in, and a merge. Nothing here is
 needed: generate.py runs PyTorch's ops where this file, or Triton, is missing; the tests hold every
