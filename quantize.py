@@ -8,10 +8,10 @@ and an offset per group of input columns.
 The last converts and quantizes in one pass. The blocks' linear layers, every expert and an untied
 lm_head are quantized; the embedding, the norms and the MoE router stay as they are. int4 is
 asymmetric, w ~= q * scale + offset with q in 0 ... 15, a bf16 scale and offset for each group of
---group-size (default 128) input columns of a row; two weights a byte, packed for the fast path's
-products. A quantized checkpoint's config.json says "quantization": "int8", or "int4" with its
-"group_size", and generate.py swaps these modules in before loading it. Optional: without this
-file, bf16 conversion and generation work as before.
+--group-size (a power of two, default 128) input columns of a row; two weights a byte, packed for
+the fast path's products. A quantized checkpoint's config.json says "quantization": "int8", or
+"int4" with its "group_size", and generate.py swaps these modules in before loading it. Optional:
+without this file, bf16 conversion and generation work as before.
 """
 import pathlib
 import sys
@@ -130,15 +130,15 @@ class QuantizedExperts(Experts):
 
 def group_size_of(config: dict) -> int | None:
     """The group size of the quantization that config.json `config` names: None for int8. Refused
-    in one line: an unknown quantization, or a group size that is no positive multiple of 8 (the
-    fast path reads int4 weights 8 to a word)."""
+    in one line: an unknown quantization, or a group size that is no power of two of at least 8
+    (the fast path reads int4 weights 8 to a word, and its blocks hold whole groups)."""
     mode = config["quantization"]
     convert.require(mode in MODES, f"config.json: unknown quantization {mode!r}")
     if mode == "int8":
         return None
     size = config.get("group_size")
-    fits = type(size) is int and size > 0 and size % 8 == 0
-    convert.require(fits, f"group size {size!r}: it must be a positive multiple of 8")
+    fits = type(size) is int and size >= 8 and size & (size - 1) == 0
+    convert.require(fits, f"group size {size!r}: it must be a power of two, at least 8")
     return size
 
 

@@ -103,7 +103,7 @@ def _route(router, EXPERTS: tl.constexpr, TOP_K: tl.constexpr, NORM_TOPK: tl.con
 
 
 @triton.jit
-def _gemv(x, weight, scale, offset, norm, res, out, router, N, K, x_row, eps: tl.constexpr,
+def _gemv(x, weight, scale, offset, norm, res, out, router, N, KW, x_row, eps: tl.constexpr,
           NORM: tl.constexpr, GATED: tl.constexpr, SCALE: tl.constexpr, RES: tl.constexpr,
           EXPERTS: tl.constexpr, TOP_K: tl.constexpr, NORM_TOPK: tl.constexpr,
           ROUTED: tl.constexpr, TERMS: tl.constexpr, EB: tl.constexpr, KB: tl.constexpr,
@@ -115,11 +115,12 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, K, x_row, eps: tl
     # 4 bytes, and integer operations make each byte an fp32 (the float bits 0x4B000000 | byte ^
     # 0x80 are 2^23 + 128 + its value): a conversion instruction per byte would be the limit. int4
     # weights come as words of PACK = 8 nibbles, w = q * scale + offset per GROUP columns of a row:
-    # a block's sums of q * a are scaled per group, plus offset * the group's sum of a.
+    # the sums of q * a of a block's groups are scaled, plus offset * each group's sum of a.
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     j = tl.program_id(1)
-    # weight words per row
-    KW = K // PACK
+    # KW weight words per row; GW words per int4 group, else 1
+    K = KW * PACK
+    GW: tl.constexpr = max(GROUP // PACK, 1)
     y = tl.zeros([BN], tl.float32)
     expert = 0
     if EXPERTS:
@@ -131,7 +132,7 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, K, x_row, eps: tl
             expert = tl.sum(tl.where(pick, ids, 0), axis=0)
         xt = x + t * x_row
         w_rows = weight + expert * N * KW
-        acc = tl.zeros([BN, BK], tl.float32)
+        acc = tl.zeros([BN, BK // GW], tl.float32)
         squares = tl.zeros([BK], tl.float32)
         for k0 in range(0, KW, BK):
             words = k0 + tl.arange(0, BK)
@@ -142,7 +143,7 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, K, x_row, eps: tl
             if GROUP:
                 part = tl.zeros([BN, BK], tl.float32)
                 a_sum = tl.zeros([BK], tl.float32)
-                # nibbles 5 to 7 at bits 8 to 19, where the float bits below take them in place
+                # nibbles 5 to 7 moved to bits 8 to 19, where they are float bits as they stand
                 high = w_words >> 12
             for i in tl.static_range(PACK):
                 k = words * PACK + i
@@ -155,13 +156,15 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, K, x_row, eps: tl
                     squares += a * a
                     a = a * tl.load(norm + k, mask=k < K, other=0.0).to(tl.float32)
                 if PACK == 8:
-                    # nibble i at bits `shift`, unshifted: 0x4B000000 | it is 2^23 + q * 2^shift,
-                    # and a takes the 2^-shift
-                    shift: tl.constexpr = 4 * i - 12 * (i // 5)
-                    nibble = (high if i >= 5 else w_words) & (15 << shift)
-                    wi = (nibble | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                    # Nibble i masked where it lies, at bits `shift` (of `high` from 5 on): as float
+                    # bits, the subnormal q * 2^(shift - 149), exactly. a takes 2^(85 - shift), so
+                    # the product is q * a * 2^-64 (scaled back by group): one integer operation a
+                    # weight, no conversion and no subtraction
+                    shift = 4 * i - 12 * (i // 5)
+                    bits = (high if i >= 5 else w_words) & (15 << shift)
+                    wi = bits.to(tl.float32, bitcast=True)
                     a_sum += a
-                    a = a * (1.0 / (1 << shift))
+                    a = a * (2.0 ** 85 / (1 << shift))
                 elif PACK == 4:
                     bits = ((w_words >> 8 * i) & 0xFF) ^ 0x4B000080
                     wi = bits.to(tl.float32, bitcast=True) - 8388736.0
@@ -169,11 +172,15 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, K, x_row, eps: tl
                     wi = w_words.to(tl.float32)
                 part += wi * a[None, :]
             if GROUP:
-                # (BN, BK) each word's group's scale and offset
-                at = (expert * N + n[:, None]) * (K // GROUP) + words[None, :] * PACK // GROUP
-                s = tl.load(scale + at, mask=w_mask, other=0.0).to(tl.float32)
-                o = tl.load(offset + at, mask=w_mask, other=0.0).to(tl.float32)
-                part = acc + part * s + o * a_sum[None, :]
+                # (BN, BK / GW) the block's sums by group, and their groups' scales and offsets
+                sums = tl.sum(tl.reshape(part, [BN, BK // GW, GW]), axis=2)
+                a_sums = tl.sum(tl.reshape(a_sum, [BK // GW, GW]), axis=1)
+                g = k0 // GW + tl.arange(0, BK // GW)
+                at = (expert * N + n[:, None]) * (K // GROUP) + g[None, :]
+                g_mask = (n[:, None] < N) & (g[None, :] < K // GROUP)
+                s = tl.load(scale + at, mask=g_mask, other=0.0).to(tl.float32)
+                o = tl.load(offset + at, mask=g_mask, other=0.0).to(tl.float32)
+                part = acc + sums * (s * 2.0 ** 64) + o * a_sums[None, :]
             acc = part
         yt = tl.sum(acc, axis=1)
         if NORM:
@@ -206,11 +213,12 @@ GEMV_CONFIGS = {
     ("routed", "float"): dict(BN=4, BK=1024, num_warps=4),
     ("picked", "int8"): dict(BN=32, BK=128, num_warps=4),
     ("routed", "int8"): dict(BN=8, BK=256, num_warps=4),
-    # int4: guesses, not yet swept (a word holds 8 weights: half int8's words a block)
-    ("norm", "int4"): dict(BN=16, BK=64, num_warps=4),
-    ("gated", "int4"): dict(BN=8, BK=256, num_warps=8),
-    ("plain", "int4"): dict(BN=8, BK=256, num_warps=4),
-    ("picked", "int4"): dict(BN=32, BK=64, num_warps=4),
+    # int4: not swept on a GPU yet; those of the fewest instructions a weight in the compiled loop
+    # (for sm_90) that keep the programs as many as int8's
+    ("norm", "int4"): dict(BN=16, BK=128, num_warps=4),
+    ("gated", "int4"): dict(BN=16, BK=256, num_warps=8),
+    ("plain", "int4"): dict(BN=16, BK=128, num_warps=4),
+    ("picked", "int4"): dict(BN=16, BK=128, num_warps=4),
     ("routed", "int4"): dict(BN=8, BK=128, num_warps=4),
 }
 # By the weights' dtype: their kind above, and how many of them a 32-bit word holds
@@ -250,20 +258,21 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | 
     pick top_k of them as MoE.forward does: (top_k, 1, N), an output per pick; or, `routed`, with
     x (top_k, 1, K), the picks' sum weighted by their routing weights, (1, 1, N)."""
     kind, pack = STORAGE.get(weight.dtype, ("float", 1))
-    N = weight.shape[-2]
-    K = weight.shape[-1] * 2 if kind == "int4" else weight.shape[-1]
-    group = 0 if offset is None else K // offset.shape[-1]
+    words = weight if kind == "float" else weight.view(torch.int32)
+    N, KW = words.shape[-2:]
+    group = 0 if offset is None else KW * pack // offset.shape[-1]
     experts = 0 if router is None else router.shape[-1]
     out = gemv_output(x, weight, router=router, top_k=top_k, routed=routed)
     config = GEMV_CONFIGS[input_kind(norm, gated, router, routed), kind]
-    words = weight if kind == "float" else weight.view(torch.int32)
+    # int4: whole groups a block
+    config = dict(config, BK=max(config["BK"], group // pack))
     routing = dict(EXPERTS=experts, TOP_K=top_k, NORM_TOPK=norm_topk_prob, ROUTED=routed,
                    TERMS=top_k if routed else 1, EB=triton.next_power_of_2(max(experts, 1)),
                    KB=triton.next_power_of_2(max(top_k, 1)))
     grid = (triton.cdiv(N, config["BN"]), out.shape[0])
     # A None argument is a constexpr None to Triton: the branches that would read it are not
     # compiled
-    _gemv[grid](x, words, scale, offset, norm, residual, out, router, N, K, x.shape[-1], eps,
+    _gemv[grid](x, words, scale, offset, norm, residual, out, router, N, KW, x.shape[-1], eps,
                 NORM=norm is not None, GATED=gated, SCALE=scale is not None and not group,
                 RES=residual is not None, PACK=pack, GROUP=group, **routing, **config)
     return out

@@ -1159,15 +1159,15 @@ def test_int4_quality_against_fp32(tmp_path, moe):
 
 
 def test_int4_bad_inputs_are_one_line(tiny, tmp_path, snapshot):
-    """A group size that no layer's input divides, or no multiple of 8, or given to int8; int4 of
+    """A group size that no layer's input divides, or no power of two, or given to int8; int4 of
     a snapshot whose layers 128 doesn't divide: each refused in one line, nothing written. A
     config.json with an unknown quantization or a bad group size is refused; then generate.py runs
     the int4 checkpoint."""
     script = os.path.join(HERE, "quantize.py")
     out = str(tmp_path / "out")
-    refusals = {("int4", "48"): "layers.0.self_attn.qkv_proj: its 64 input columns are no "
-                                "multiple of the group size 48",
-                ("int4", "12"): "group size 12: it must be a positive multiple of 8",
+    refusals = {("int4", "128"): "layers.0.self_attn.qkv_proj: its 64 input columns are no "
+                                 "multiple of the group size 128",
+                ("int4", "24"): "group size 24: it must be a power of two, at least 8",
                 ("int8", "64"): "--group-size is int4's"}
     for (mode, group), message in refusals.items():
         r = cli("--checkpoint", tiny, "--mode", mode, "--group-size", group, "--output", out,
