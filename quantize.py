@@ -27,7 +27,7 @@ from model import Experts, ModelArgs, Transformer
 MODES = ["int8", "int4"]
 # int4's input columns per scale and offset, unless --group-size says otherwise
 GROUP_SIZE = 128
-# Model.Experts' weights
+# model.Experts' weights
 PROJECTIONS = ("gate_up_proj", "down_proj")
 
 
@@ -125,6 +125,7 @@ class QuantizedExperts(Experts):
             add_buffers(self, name, shape, group_size)
 
     def weights(self, dtype) -> tuple[Tensor, Tensor]:
+        """gate_up_proj and down_proj dequantized, in dtype."""
         return tuple(dequantized(self, name, dtype) for name in PROJECTIONS)
 
 
