@@ -3,7 +3,7 @@
 Our weights: fused qkv and gate-up products, each MoE layer's experts stacked, in safetensors.
 
     python convert_hf_checkpoint.py --checkpoint-dir checkpoints/Qwen/Qwen3-8B  # .../converted
-    python convert_hf_checkpoint.py --checkpoint-dir checkpoints/Qwen/Qwen3-8B --int8  # ...-int8
+    python convert_hf_checkpoint.py --checkpoint-dir checkpoints/Qwen/Qwen3-8B --quantize int4
 
 Tensors are read one at a time and written in shards, so memory stays near one shard whatever the
 model's size. The output is written to a hidden directory beside its destination and renamed into
@@ -31,7 +31,8 @@ try:
     from safetensors.torch import save_file
 
     from model import ModelArgs, Transformer
-except KeyboardInterrupt:  # Ctrl-C while torch loads: nothing written, nothing to say
+except KeyboardInterrupt:
+    # Ctrl-C while torch loads: nothing written, nothing to say
     sys.exit(130)
 
 
@@ -98,7 +99,8 @@ def list_tensors(directory, pattern: str) -> dict[str, str]:
         try:
             with safe_open(file, "pt") as opened:
                 names = list(opened.keys())
-        except Exception as e:  # safetensors' own error type: a truncated or corrupt file
+        except Exception as e:
+            # safetensors' own error type: a truncated or corrupt file
             raise UserError(f"{file}: not a readable safetensors file ({e})") from None
         twice = min(tensors.keys() & set(names), default=None)
         require(not twice, f"{file}: tensor {twice} is in {tensors.get(twice)} too")
@@ -112,7 +114,7 @@ def read_tensor(file: str, name: str) -> torch.Tensor:
         with safe_open(file, "pt") as tensors:
             return tensors.get_tensor(name)
     except Exception as e:  # safetensors' own error type
-        raise UserError(f"{file}: cannot read tensor {name} ({e}): download it again") from None
+        raise UserError(f"{file}: tensor {name} unreadable ({e}): download it again") from None
 
 
 # The supported architectures, each with its model_type
@@ -138,17 +140,17 @@ def model_args(config: dict) -> ModelArgs:
     architecture = (config.get("architectures") or ["Qwen3ForCausalLM"])[0]
     model_type = config.get("model_type", "qwen3")
     supported = SUPPORTED.get(architecture) == model_type
-    require(supported, f"{architecture} (model_type {model_type}) is not Qwen3: not supported")
+    require(supported, f"{architecture} (model_type {model_type}) is no Qwen3 we support")
     windowed = config.get("use_sliding_window")
     require(not windowed, "config.json: sliding-window attention is not supported")
     settings = [config.get(name) for name in ("rope_parameters", "rope_scaling")]
     if all(settings) and settings[0] != settings[1]:
         raise UserError("config.json: rope_parameters and rope_scaling disagree: keep one")
     rope = settings[0] or settings[1] or {}
-    require(isinstance(rope, dict), f"config.json: rope_parameters is {rope!r}, not an object")
+    require(isinstance(rope, dict), f"config.json: rope_parameters {rope!r} is no object")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "yarn"):
-        raise UserError(f"rope type {rope_type} is not supported: only default RoPE and YaRN")
+        raise UserError(f"rope type {rope_type}: only default RoPE and YaRN are supported")
     yarn = {key: value for key, value in rope.items() if key not in ("rope_type", "type")}
     numbers = all(type(v) in (int, float, bool) and math.isfinite(v) for v in yarn.values())
     require(rope_type != "yarn" or numbers, f"config.json: YaRN parameters {yarn} are not all "
@@ -249,8 +251,10 @@ def snapshot_args(src: pathlib.Path) -> tuple[ModelArgs, dict]:
     config.json for it."""
     if not (src / "config.json").is_file():
         raise UserError(f"{src}: no config.json; is it a Hugging Face Qwen3 snapshot?")
-    read_tokenizer(src)  # refused now if missing or broken, not when generating
-    if (src / "generation_config.json").is_file():  # likewise, if it isn't JSON
+    # Refused now if missing or broken, not when generating
+    read_tokenizer(src)
+    if (src / "generation_config.json").is_file():
+        # Likewise, if it isn't JSON
         read_json(src / "generation_config.json")
     config = read_json(src / "config.json")
     if "quantization_config" in config:
@@ -275,41 +279,41 @@ def joined(src: pathlib.Path, name: str, parts: list[str], files: dict, meta) ->
                 "that config.json implies")
     broken = next((hf for hf, t in tensors.items() if not t.isfinite().all()), None)
     require(not broken, f"{files.get(broken)}: {broken} holds values that are not finite")
-    weight = torch.cat(list(tensors.values()))  # experts: (experts x rows, columns)
+    # Experts: (experts x rows, columns)
+    weight = torch.cat(list(tensors.values()))
     same = weight.numel() == meta.numel() and weight.shape[-1] == meta.shape[-1]
     require(same, f"{src}: {name} has shape {tuple(weight.shape)}; config.json implies "
             f"{tuple(meta.shape)}")
     return weight.view(meta.shape)
 
 
-def convert(src: str, out: str, int8: bool = False, shard_bytes: int = 2 << 30) -> None:
+def convert(src: str, out: str, quantization: str | None = None,
+            shard_bytes: int = 2 << 30) -> None:
+    """Converts the snapshot `src` into the new directory `out`, in shards of about shard_bytes;
+    with `quantization` ("int8", or "int4" in groups of 128), quantized by quantize.py as read."""
     src = pathlib.Path(src)
     args, config = snapshot_args(src)
-    quantize = optional("quantize")
-    if int8:
-        require(quantize, "int8 needs quantize.py beside this file")
-        config["quantization"] = "int8"
+    if quantization:
+        quantize = optional("quantize")
+        require(quantize, f"{quantization} needs quantize.py beside this file")
+        config = quantize.quantized_config(config, quantization)
     with torch.device("meta"):
         model = Transformer(args)
-        if int8:
-            quantize.swap_in_int8(model)
     expected = checkpoint_tensors(model)
-    # Our tensor -> its Hugging Face parts; int8 scales come from the weights
-    sources = {name: hf_names(name, meta) for name, meta in expected.items()
-               if not name.endswith("_scale")}
+    # our tensor -> its Hugging Face parts
+    sources = {name: hf_names(name, expected[name]) for name in expected}
     files = list_tensors(src, "*.safetensors")
     placed = {hf for parts in sources.values() for hf in parts} | {"lm_head.weight"}
     unknown = min(files.keys() - placed, default=None)
-    require(not unknown, f"{files.get(unknown)}: tensor {unknown} is not in Qwen3 models")
+    require(not unknown, f"{files.get(unknown)}: {unknown} is in no Qwen3")
 
     def tensors():
         for name, parts in sources.items():
-            weight = joined(src, name, parts, files, expected[name])
-            if int8:
-                yield from quantize.quantized(name, weight, expected).items()
-            else:
-                yield name, weight
-    write_checkpoint(out, tensors(), len(expected), config, src, shard_bytes)
+            yield name, joined(src, name, parts, files, expected[name])
+    pairs, count = tensors(), len(expected)
+    if quantization:  # a tensor at a time, as read
+        pairs, count = quantize.quantizing(config, pairs)
+    write_checkpoint(out, pairs, count, config, src, shard_bytes)
 
 
 def write_checkpoint(out: str, tensors, count: int, config: dict, src: pathlib.Path,
@@ -319,7 +323,8 @@ def write_checkpoint(out: str, tensors, count: int, config: dict, src: pathlib.P
     the tokenizer files copied from `src`. Written beside it and renamed when complete: nothing
     that exists is replaced, and an error or a signal leaves nothing behind."""
     require(str(out).strip() != "", "--output is empty: name a new directory")
-    out = pathlib.Path(os.path.abspath(out))  # "." has no name to put beside it
+    # "." has no name to put beside it
+    out = pathlib.Path(os.path.abspath(out))
     # the source, ".", an old conversion, an empty directory...
     require(not out.exists(), f"{out} exists: choose another --output (nothing is replaced)")
     # Hidden, beside it: a second conversion to `out` finds it and stops before any work
@@ -393,18 +398,17 @@ def main(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint-dir", required=True,
                         help="a Hugging Face Qwen3 snapshot (config.json + *.safetensors)")
-    parser.add_argument("--output", help="where to write (default: CHECKPOINT_DIR/converted, "
-                        "or converted-int8)")
-    parser.add_argument("--int8", action="store_true",
-                        help="int8 weight-only (the blocks, an untied lm_head): quantize.py")
+    parser.add_argument("--output", help="default: CHECKPOINT_DIR/converted[-QUANTIZE]")
+    parser.add_argument("--quantize", choices=["int8", "int4"],
+                        help="weight-only, by quantize.py (int4 in groups of 128)")
     parser.add_argument("--shard-size-mb", type=positive, default=2048,
                         help="size of each output file")
     stop_on_signals()
     try:
         args = parser.parse_args(argv)
-        name = "converted-int8" if args.int8 else "converted"
+        name = f"converted-{args.quantize}" if args.quantize else "converted"
         out = os.path.join(args.checkpoint_dir, name) if args.output is None else args.output
-        convert(args.checkpoint_dir, out, args.int8, args.shard_size_mb << 20)
+        convert(args.checkpoint_dir, out, args.quantize, args.shard_size_mb << 20)
         # On stderr, as every message: stdout may be full, though the checkpoint is written
         print(f"wrote {out}", file=sys.stderr)
     except KeyboardInterrupt:
@@ -414,4 +418,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    # As the module that quantize.py imports too: one UserError, which main catches
+    import convert_hf_checkpoint
+    convert_hf_checkpoint.main()

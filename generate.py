@@ -23,8 +23,8 @@ try:
                                        list_tensors, model_args, optional, positive, read_json,
                                        read_tokenizer, require, show_progress, stop_on_signals)
     from model import Transformer
-    # Optional files: int8 checkpoints, the Triton fast path (without it, or Triton, PyTorch's ops
-    # run everywhere), tensor parallelism under torchrun
+    # Optional files: quantized checkpoints, the Triton fast path (without it, or Triton,
+    # PyTorch's ops run everywhere), tensor parallelism under torchrun
     quantize, qwen3_triton, tp = map(optional, ["quantize", "qwen3_triton", "tp"])
 except KeyboardInterrupt:  # Ctrl-C while torch loads: nothing to clean up, nothing to say
     sys.exit(130)
@@ -444,7 +444,7 @@ def load_model(path: str, device="cpu", dtype: torch.dtype | None = None,
                split=None) -> Transformer:
     """The model of a converted checkpoint, on `device` in `dtype` (default: bf16 on CUDA, fp32 on
     the CPU), read straight there: a tensor at a time from its file, no second copy in host or
-    device memory. An int8 checkpoint gets quantize.py's modules first. split (tp.py's
+    device memory. A quantized checkpoint gets quantize.py's modules first. split (tp.py's
     TensorParallel): this rank's share alone, at its shapes (split.rank_args), each tensor's slice
     read (split.read), the all-reduces added (split.apply)."""
     device = torch.device(device)
@@ -456,7 +456,6 @@ def load_model(path: str, device="cpu", dtype: torch.dtype | None = None,
     require(dtype in floats, f"dtype {dtype!r}: use torch.bfloat16, torch.float16 or torch.float32")
     config = converted_config(path)
     quantization = config["quantization"]
-    require(quantization in (None, "int8"), f"config.json: unknown quantization {quantization!r}")
     needs = quantization and quantize is None
     require(not needs, f"{path} is {quantization}: loading it needs quantize.py")
     args = model_args(config)
@@ -465,7 +464,7 @@ def load_model(path: str, device="cpu", dtype: torch.dtype | None = None,
     with torch.device("meta"):
         model = Transformer(args)
         if quantization:
-            quantize.swap_in_int8(model)
+            quantize.swap_in(model, config)
     expected = {name: t.shape for name, t in checkpoint_tensors(model).items()}
     tensors = list_tensors(path, "model*.safetensors")  # name -> its file
     state = {}
@@ -477,7 +476,7 @@ def load_model(path: str, device="cpu", dtype: torch.dtype | None = None,
                     tensor = opened.get_tensor(name)
                 else:  # this rank's slice of it alone is read
                     tensor = split.read(name, opened.get_slice(name)).to(device)
-                if tensor.dtype != torch.int8:
+                if tensor.is_floating_point():
                     tensor = tensor.to(dtype)
                 state[name] = tensor
                 show_progress(f"loading {path}", len(state), len(tensors))

@@ -10,7 +10,7 @@ fused qkv_proj and gate_up_proj and the experts' stacked weights (as transformer
     logits = model(prompt)  # (1, T) tokens at positions 0 ... T - 1
     logits = model(next_token, torch.tensor([[T]]))  # the next position
 
-Reading checkpoints lives in generate.py, int8 in quantize.py, the Triton fast path in
+Reading checkpoints lives in generate.py, int8 and int4 in quantize.py, the Triton fast path in
 qwen3_triton.py: this file imports torch alone.
 """
 import math
@@ -259,7 +259,7 @@ class Experts(nn.Module):
         self.grouped_mm = False
 
     def weights(self, dtype) -> tuple[Tensor, Tensor]:
-        """gate_up_proj and down_proj as the products read them (quantize.py's int8 experts
+        """gate_up_proj and down_proj as the products read them (quantize.py's quantized experts
         dequantize here)."""
         return self.gate_up_proj, self.down_proj
 

@@ -1,12 +1,17 @@
-"""Weight-only int8 quantization: int8 weights with a scale per output row.
+"""Weight-only quantization: int8 weights with a scale per output row, or int4 weights with a scale
+and an offset per group of input columns.
 
     python quantize.py --checkpoint checkpoints/Qwen/Qwen3-8B/converted --mode int8  # ...-int8
-    python convert_hf_checkpoint.py --checkpoint-dir checkpoints/Qwen/Qwen3-8B --int8  # in one pass
+    python quantize.py --checkpoint checkpoints/Qwen/Qwen3-8B/converted --mode int4  # ...-int4
+    python convert_hf_checkpoint.py --checkpoint-dir checkpoints/Qwen/Qwen3-8B --quantize int4
 
-The blocks' linear layers, every expert and an untied lm_head are quantized; the embedding, the
-norms and the MoE router stay as they are. A quantized checkpoint's config.json says
-"quantization": "int8", and generate.py swaps these modules in before loading it. Optional: without
-this file, bf16 conversion and generation work as before.
+The last converts and quantizes in one pass. The blocks' linear layers, every expert and an untied
+lm_head are quantized; the embedding, the norms and the MoE router stay as they are. int4 is
+asymmetric, w ~= q * scale + offset with q in 0 ... 15, a bf16 scale and offset for each group of
+--group-size (a power of two, default 128) input columns of a row; two weights a byte, packed for
+the fast path's products. A quantized checkpoint's config.json says "quantization": "int8", or
+"int4" with its "group_size", and generate.py swaps these modules in before loading it. Optional:
+without this file, bf16 conversion and generation work as before.
 """
 import pathlib
 import sys
@@ -19,7 +24,11 @@ from torch import Tensor
 import convert_hf_checkpoint as convert
 from model import Experts, ModelArgs, Transformer
 
-MODES = ["int8"]
+MODES = ["int8", "int4"]
+# int4's input columns per scale and offset, unless --group-size says otherwise
+GROUP_SIZE = 128
+# model.Experts' weights
+PROJECTIONS = ("gate_up_proj", "down_proj")
 
 
 def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -29,13 +38,62 @@ def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
     return q.to(torch.int8), scale
 
 
+def quantize_int4(weight: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Asymmetric int4 per group of group_size input columns: weight (..., n_out, n_in) ~= q *
+    scale + offset, q in 0 ... 15, scale and offset (..., n_out, n_in / group_size) in bf16.
+    Returns (packed, scale, offset); packed (..., n_out, n_in / 2) uint8, byte j holding column 2j
+    in its low nibble and column 2j + 1 in its high one."""
+    # (..., n_out, groups, group_size)
+    groups = weight.float().unflatten(-1, (-1, group_size))
+    low = groups.amin(-1)
+    scale = ((groups.amax(-1) - low) / 15).clamp(min=1e-8).bfloat16()
+    offset = low.bfloat16()
+    # Rounded against the scale and offset as stored
+    q = (groups - offset[..., None].float()) / scale[..., None].float()
+    q = q.round().clamp(0, 15).to(torch.uint8).flatten(-2)
+    return q[..., 0::2] | q[..., 1::2] << 4, scale, offset
+
+
+def quantize(name: str, weight: Tensor, group_size: int | None) -> dict[str, Tensor]:
+    """The weight `name` (..., n_out, n_in) as a quantized checkpoint holds it: with group_size None
+    int8, `name` and `name`_scale; else int4, `name`, `name`_scale and `name`_offset."""
+    if group_size is None:
+        q, scale = quantize_int8(weight)
+        return {name: q, f"{name}_scale": scale}
+    q, scale, offset = quantize_int4(weight, group_size)
+    return {name: q, f"{name}_scale": scale, f"{name}_offset": offset}
+
+
+def dequantized(module: nn.Module, name: str, dtype) -> Tensor:
+    """The weight (..., n_out, n_in) that `module` holds quantized as `name` and its scale (and
+    offset), in dtype: one expression of the stored tensors, which inductor fuses into one kernel
+    (no full-precision copy of the unpacked integers)."""
+    q = getattr(module, name)
+    scale = getattr(module, f"{name}_scale")[..., None].to(dtype)
+    # In place: a MoE layer's experts are gigabytes at full precision
+    if q.dtype == torch.int8:
+        return q.to(dtype).mul_(scale)
+    offset = getattr(module, f"{name}_offset")[..., None].to(dtype)
+    # (..., n_out, groups, group_size): byte j's low nibble is column 2j, its high one 2j + 1
+    groups = torch.stack((q & 15, q >> 4), -1).flatten(-2).unflatten(-1, (scale.shape[-2], -1))
+    return groups.to(dtype).mul_(scale).add_(offset).flatten(-2)
+
+
+def add_buffers(module: nn.Module, name: str, shape, group_size: int | None) -> None:
+    """Gives `module` the weight `name` of `shape` (..., n_out, n_in) as quantize stores it:
+    uninitialised buffers, on the device that is current, of the shapes and dtypes that quantize
+    makes of a meta tensor."""
+    meta = torch.empty(shape, device="meta")
+    for stored, tensor in quantize(name, meta, group_size).items():
+        module.register_buffer(stored, torch.empty(tensor.shape, dtype=tensor.dtype))
+
+
 class WeightOnlyInt8Linear(nn.Module):
     """A bias-free linear layer whose weight (n_out, n_in) is int8, with a scale per output row."""
 
     def __init__(self, n_in: int, n_out: int):
         super().__init__()
-        self.register_buffer("weight", torch.empty(n_out, n_in, dtype=torch.int8))
-        self.register_buffer("weight_scale", torch.empty(n_out))
+        add_buffers(self, "weight", (n_out, n_in), None)
 
     def forward(self, x: Tensor) -> Tensor:
         # The int8 cast inside the product's expression: inductor fuses it into the product's loads
@@ -43,49 +101,106 @@ class WeightOnlyInt8Linear(nn.Module):
         return F.linear(x, self.weight.to(x.dtype)) * self.weight_scale
 
 
-class Int8Experts(Experts):
-    """model.Experts with int8 weights: gate_up_proj and down_proj, each with a scale per
-    output row (experts, rows)."""
+class WeightOnlyInt4Linear(nn.Module):
+    """A bias-free linear layer whose weight (n_out, n_in) is int4, packed as quantize_int4 packs
+    it, with a scale and an offset (n_out, n_in / group_size) per group of input columns."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, n_in: int, n_out: int, group_size: int):
+        super().__init__()
+        add_buffers(self, "weight", (n_out, n_in), group_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, dequantized(self, "weight", x.dtype))
+
+
+class QuantizedExperts(Experts):
+    """model.Experts with gate_up_proj and down_proj quantized as quantize stores them, an expert
+    after another: int8 with group_size None, else int4."""
+
+    def __init__(self, args: ModelArgs, group_size: int | None):
         super().__init__(args)
-        for name in ("gate_up_proj", "down_proj"):
+        for name in PROJECTIONS:
             shape = getattr(self, name).shape
             delattr(self, name)
-            self.register_buffer(name, torch.empty(shape, dtype=torch.int8))
-            self.register_buffer(f"{name}_scale", torch.empty(shape[:-1]))
+            add_buffers(self, name, shape, group_size)
 
     def weights(self, dtype) -> tuple[Tensor, Tensor]:
-        scaled = []
-        for name in ("gate_up_proj", "down_proj"):
-            scale = getattr(self, f"{name}_scale")[..., None]
-            scaled.append(getattr(self, name).to(dtype) * scale.to(dtype))
-        return scaled[0], scaled[1]
+        """gate_up_proj and down_proj dequantized, in dtype."""
+        return tuple(dequantized(self, name, dtype) for name in PROJECTIONS)
 
 
-def swap_in_int8(model: Transformer) -> None:
-    """Replaces the modules that quantization stores as int8 by int8 ones of their shapes,
-    uninitialised (a checkpoint fills them): built on the device that is current, the meta device
-    when loading."""
-    for parent in list(model.modules()):
+def group_size_of(config: dict) -> int | None:
+    """The group size of the quantization that config.json `config` names: None for int8. Refused
+    in one line: an unknown quantization, or a group size that is no power of two of at least 8
+    (the fast path reads int4 weights 8 to a word, and its blocks hold whole groups)."""
+    mode = config["quantization"]
+    convert.require(mode in MODES, f"config.json: unknown quantization {mode!r}")
+    if mode == "int8":
+        return None
+    size = config.get("group_size")
+    fits = type(size) is int and size >= 8 and size & (size - 1) == 0
+    convert.require(fits, f"group size {size!r}: it must be a power of two, at least 8")
+    return size
+
+
+def swap_in(model: Transformer, config: dict) -> None:
+    """Replaces the modules that quantization stores quantized, as config.json `config` says, by
+    quantized ones of their shapes, uninitialised (a checkpoint fills them): built on the device
+    that is current, the meta device when loading. A layer whose input columns are no whole number
+    of groups is refused, named."""
+    group_size = group_size_of(config)
+
+    def check(name: str, columns: int) -> None:
+        """Refuses the weight `name` unless its input columns are whole groups."""
+        if group_size and columns % group_size:
+            raise convert.UserError(f"{name}: its {columns} input columns are no multiple of "
+                                    f"the group size {group_size}")
+    for path, parent in list(model.named_modules()):
         for name, child in parent.named_children():
+            where = f"{path}.{name}".lstrip(".")
             if isinstance(child, Experts):
-                setattr(parent, name, Int8Experts(model.args))
+                for projection in PROJECTIONS:
+                    check(f"{where}.{projection}", getattr(child, projection).shape[-1])
+                setattr(parent, name, QuantizedExperts(model.args, group_size))
             # The router stays: small, and its picks must not move
             quantized = name != "gate" and isinstance(child, nn.Linear)
             # A tied lm_head is the embedding
             if quantized and child.weight is not model.embed_tokens.weight:
-                int8 = WeightOnlyInt8Linear(child.in_features, child.out_features)
-                setattr(parent, name, int8)
+                check(where, child.in_features)
+                setattr(parent, name, linear(child.in_features, child.out_features, group_size))
 
 
-def quantized(name: str, weight: Tensor, expected: dict) -> dict[str, Tensor]:
-    """Tensor `name` as an int8 checkpoint holds it: itself, or, where `expected` (the int8
-    model's tensors) has it in int8, its int8 weight and scale `name`_scale."""
-    if expected[name].dtype != torch.int8:
-        return {name: weight}
-    q, scale = quantize_int8(weight)
-    return {name: q, f"{name}_scale": scale}
+def linear(n_in: int, n_out: int, group_size: int | None) -> nn.Module:
+    """A quantized linear layer, uninitialised: int8 with group_size None, else int4."""
+    if group_size is None:
+        return WeightOnlyInt8Linear(n_in, n_out)
+    return WeightOnlyInt4Linear(n_in, n_out, group_size)
+
+
+def quantized_config(config: dict, mode: str, group_size: int = GROUP_SIZE) -> dict:
+    """The config.json of a bf16 checkpoint's `config`, quantized as `mode`."""
+    if mode == "int8":
+        return dict(config, quantization=mode)
+    return dict(config, quantization=mode, group_size=group_size)
+
+
+def quantizing(config: dict, tensors) -> tuple:
+    """The (name, tensor) pairs `tensors` of a bf16 checkpoint, quantized as config.json `config`
+    (a quantized_config) says: the pairs of the quantized checkpoint, one at a time, and their
+    count."""
+    with torch.device("meta"):
+        model = Transformer(convert.model_args(config))
+        swap_in(model, config)
+    expected = convert.checkpoint_tensors(model)
+    group_size = group_size_of(config)
+
+    def pairs():
+        for name, weight in tensors:
+            if expected[name].is_floating_point():
+                yield name, weight
+            else:
+                yield from quantize(name, weight, group_size).items()
+    return pairs(), len(expected)
 
 
 def main(argv=None):
@@ -93,13 +208,17 @@ def main(argv=None):
     parser.add_argument("--checkpoint", required=True,
                         help="a directory that convert_hf_checkpoint.py wrote")
     parser.add_argument("--mode", choices=MODES, required=True)
-    parser.add_argument("--output", help="default: CHECKPOINT-int8")
+    parser.add_argument("--group-size", type=convert.positive,
+                        help=f"int4: input columns per scale and offset (default {GROUP_SIZE})")
+    parser.add_argument("--output", help="default: CHECKPOINT-MODE")
     convert.stop_on_signals()
     try:
         args = parser.parse_args(argv)
-        default = args.checkpoint.rstrip("/") + "-int8"
+        if args.mode == "int8" and args.group_size:
+            raise convert.UserError("--group-size is int4's: int8 scales whole rows")
+        default = args.checkpoint.rstrip("/") + f"-{args.mode}"
         out = default if args.output is None else args.output
-        quantize_checkpoint(args.checkpoint, out)
+        quantize_checkpoint(args.checkpoint, out, args.mode, args.group_size or GROUP_SIZE)
         print(f"wrote {out}", file=sys.stderr)  # as the converter: stdout may be full
     except KeyboardInterrupt:
         convert.exit_interrupted("interrupted: nothing was written")
@@ -107,26 +226,20 @@ def main(argv=None):
         convert.exit_on(e)
 
 
-def quantize_checkpoint(path: str, out: str) -> None:
-    """A converted bf16 checkpoint `path`, quantized into `out`: a tensor at a time."""
+def quantize_checkpoint(path: str, out: str, mode: str, group_size: int = GROUP_SIZE) -> None:
+    """A converted bf16 checkpoint `path`, quantized as `mode` into `out`: a tensor at a time."""
     config = convert.converted_config(path)
     if config["quantization"] is not None:
         raise convert.UserError(f"{path} is already {config['quantization']}")
     with torch.device("meta"):
         model = Transformer(convert.model_args(config))
-        swap_in_int8(model)
-    expected = convert.checkpoint_tensors(model)
     files = convert.list_tensors(path, "model*.safetensors")
-    unscaled = {name for name in expected if not name.endswith("_scale")}
-    if files.keys() != unscaled:
+    if files.keys() != convert.checkpoint_tensors(model).keys():
         raise convert.UserError(f"{path}: weights do not match config.json; convert again")
-
-    def tensors():
-        for name, file in files.items():
-            weight = convert.read_tensor(file, name)
-            yield from quantized(name, weight, expected).items()
-    config = dict(config, quantization="int8")
-    convert.write_checkpoint(out, tensors(), len(expected), config, pathlib.Path(path))
+    config = quantized_config(config, mode, group_size)
+    tensors = ((name, convert.read_tensor(file, name)) for name, file in files.items())
+    pairs, count = quantizing(config, tensors)
+    convert.write_checkpoint(out, pairs, count, config, pathlib.Path(path))
 
 
 if __name__ == "__main__":

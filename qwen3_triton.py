@@ -3,7 +3,7 @@ dense layer, and the top-k / top-p draw of generate.sample in two launches.
 
 A decode step at batch 1 reads every weight once and is bound by its many small kernels (each a
 launch gap and a ramp-up, even in a CUDA graph). So each product here is one matrix-vector kernel
-with its neighbours fused in: the RMSNorm before it, the SiLU gate, int8 dequantisation, the
+with its neighbours fused in: the RMSNorm before it, the SiLU gate, int8 or int4 dequantisation, the
 residual after it, and for MoE the router's picks and weights. Attention is one split-KV kernel for
 one query a row, with the q/k norms, RoPE and the cache write fused in, and a merge. Nothing here is
 needed: generate.py runs PyTorch's ops where this file, or Triton, is missing; the tests hold every
@@ -51,30 +51,31 @@ def forward_one_token(model: Transformer, tokens: Tensor, positions: Tensor,
     return product(weights(model.lm_head), x, norm=model.norm)
 
 
-def weights(proj: torch.nn.Module) -> tuple[Tensor, Tensor | None]:
-    """A linear layer's weight (N, K) and its int8 scale (N,), None unless quantize.py's."""
-    return proj.weight, getattr(proj, "weight_scale", None)
+def weights(module: torch.nn.Module, name: str = "weight") -> tuple:
+    """A module's weight `name`, (N, K) or stacked experts' (experts, N, K), and what quantize.py
+    stores beside it, else None: a scale, int8's per row (..., N) or int4's per group (..., N, K /
+    group), and int4's offset per group."""
+    return tuple(getattr(module, name + part, None) for part in ("", "_scale", "_offset"))
 
 
-def expert_weights(experts: torch.nn.Module) -> list[tuple[Tensor, Tensor | None]]:
-    """model.Experts' gate_up_proj and down_proj, each with its int8 scales (experts, N) or
-    None."""
-    names = ("gate_up_proj", "down_proj")
-    return [(getattr(experts, name), getattr(experts, f"{name}_scale", None)) for name in names]
+def expert_weights(experts: torch.nn.Module) -> list[tuple]:
+    """model.Experts' gate_up_proj and down_proj, as `weights` gives them."""
+    return [weights(experts, name) for name in ("gate_up_proj", "down_proj")]
 
 
-def product(proj: tuple[Tensor, Tensor | None], x: Tensor, norm: torch.nn.RMSNorm | None = None,
+def product(proj: tuple, x: Tensor, norm: torch.nn.RMSNorm | None = None,
             residual: Tensor | None = None, split=None, **options) -> Tensor:
-    """x times proj, a weight and its int8 scale or None, plus residual, as one gemv; with `norm`,
-    of norm(x), normalised as x is read. With `split` (tp.py's: the product's input is split over
-    the ranks), each rank's product is a share of the sum: the residual is added on one rank
-    alone, then an all-reduce sums the shares."""
-    weight, scale = proj
+    """x times proj (from `weights`), plus residual, as one gemv; with `norm`, of norm(x),
+    normalised as x is read. With `split` (tp.py's: the product's input is split over the ranks),
+    each rank's product is a share of the sum: the residual is added on one rank alone, then an
+    all-reduce sums the shares."""
+    weight, scale, offset = proj
+    options.update(scale=scale, offset=offset)
     if norm is not None:
         options.update(norm=norm.weight, eps=norm.eps)
     if split is None:
-        return gemv(x, weight, scale=scale, residual=residual, **options)
-    share = gemv(x, weight, scale=scale, residual=split.residual(residual), **options)
+        return gemv(x, weight, residual=residual, **options)
+    share = gemv(x, weight, residual=split.residual(residual), **options)
     return split.all_reduce(share)
 
 
@@ -102,21 +103,24 @@ def _route(router, EXPERTS: tl.constexpr, TOP_K: tl.constexpr, NORM_TOPK: tl.con
 
 
 @triton.jit
-def _gemv(x, weight, scale, norm, res, out, router, N, K, x_row, eps: tl.constexpr,
+def _gemv(x, weight, scale, offset, norm, res, out, router, N, KW, x_row, eps: tl.constexpr,
           NORM: tl.constexpr, GATED: tl.constexpr, SCALE: tl.constexpr, RES: tl.constexpr,
           EXPERTS: tl.constexpr, TOP_K: tl.constexpr, NORM_TOPK: tl.constexpr,
           ROUTED: tl.constexpr, TERMS: tl.constexpr, EB: tl.constexpr, KB: tl.constexpr,
-          BN: tl.constexpr, BK: tl.constexpr, PACK: tl.constexpr):
+          BN: tl.constexpr, BK: tl.constexpr, PACK: tl.constexpr, GROUP: tl.constexpr):
     # out[j, n] = res[n] + scale[n] * sum_k w[n, k] * a[k], where a = x * norm / rms(x), or
     # silu(x[:K]) * x[K:], or x. MoE: w and scale hold EXPERTS experts, of which the router's logits
     # pick TOP_K, and output j uses pick j; or, ROUTED, one output sums the picks', each from its
     # own input row x[t], weighted by its routing weight. int8 weights come as int32 words of PACK =
     # 4 bytes, and integer operations make each byte an fp32 (the float bits 0x4B000000 | byte ^
-    # 0x80 are 2^23 + 128 + its value): a conversion instruction per byte would be the limit.
+    # 0x80 are 2^23 + 128 + its value): a conversion instruction per byte would be the limit. int4
+    # weights come as words of PACK = 8 nibbles, w = q * scale + offset per GROUP columns of a row:
+    # the sums of q * a of a block's groups are scaled, plus offset * each group's sum of a.
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     j = tl.program_id(1)
-    # weight words per row
-    KW = K // PACK
+    # KW weight words per row; GW words per int4 group, else 1
+    K = KW * PACK
+    GW: tl.constexpr = max(GROUP // PACK, 1)
     y = tl.zeros([BN], tl.float32)
     expert = 0
     if EXPERTS:
@@ -128,12 +132,19 @@ def _gemv(x, weight, scale, norm, res, out, router, N, K, x_row, eps: tl.constex
             expert = tl.sum(tl.where(pick, ids, 0), axis=0)
         xt = x + t * x_row
         w_rows = weight + expert * N * KW
-        acc = tl.zeros([BN, BK], tl.float32)
+        acc = tl.zeros([BN, BK // GW], tl.float32)
         squares = tl.zeros([BK], tl.float32)
         for k0 in range(0, KW, BK):
             words = k0 + tl.arange(0, BK)
             w_mask = (n[:, None] < N) & (words[None, :] < KW)
             w_words = tl.load(w_rows + n[:, None] * KW + words[None, :], mask=w_mask, other=0)
+            # int4: the block's products apart, to be scaled by group, and each word's sum of a
+            part = acc
+            if GROUP:
+                part = tl.zeros([BN, BK], tl.float32)
+                a_sum = tl.zeros([BK], tl.float32)
+                # nibbles 5 to 7 moved to bits 8 to 19, where they are float bits as they stand
+                high = w_words >> 12
             for i in tl.static_range(PACK):
                 k = words * PACK + i
                 a = tl.load(xt + k, mask=k < K, other=0.0).to(tl.float32)
@@ -144,12 +155,33 @@ def _gemv(x, weight, scale, norm, res, out, router, N, K, x_row, eps: tl.constex
                 if NORM:
                     squares += a * a
                     a = a * tl.load(norm + k, mask=k < K, other=0.0).to(tl.float32)
-                if PACK == 4:
+                if PACK == 8:
+                    # Nibble i masked where it lies, at bits `shift` (of `high` from 5 on): as float
+                    # bits, the subnormal q * 2^(shift - 149), exactly. a takes 2^(85 - shift), so
+                    # the product is q * a * 2^-64 (scaled back by group): one integer operation a
+                    # weight, no conversion and no subtraction
+                    shift = 4 * i - 12 * (i // 5)
+                    bits = (high if i >= 5 else w_words) & (15 << shift)
+                    wi = bits.to(tl.float32, bitcast=True)
+                    a_sum += a
+                    a = a * (2.0 ** 85 / (1 << shift))
+                elif PACK == 4:
                     bits = ((w_words >> 8 * i) & 0xFF) ^ 0x4B000080
                     wi = bits.to(tl.float32, bitcast=True) - 8388736.0
                 else:
                     wi = w_words.to(tl.float32)
-                acc += wi * a[None, :]
+                part += wi * a[None, :]
+            if GROUP:
+                # (BN, BK / GW) the block's sums by group, and their groups' scales and offsets
+                sums = tl.sum(tl.reshape(part, [BN, BK // GW, GW]), axis=2)
+                a_sums = tl.sum(tl.reshape(a_sum, [BK // GW, GW]), axis=1)
+                g = k0 // GW + tl.arange(0, BK // GW)
+                at = (expert * N + n[:, None]) * (K // GROUP) + g[None, :]
+                g_mask = (n[:, None] < N) & (g[None, :] < K // GROUP)
+                s = tl.load(scale + at, mask=g_mask, other=0.0).to(tl.float32)
+                o = tl.load(offset + at, mask=g_mask, other=0.0).to(tl.float32)
+                part = acc + sums * (s * 2.0 ** 64) + o * a_sums[None, :]
+            acc = part
         yt = tl.sum(acc, axis=1)
         if NORM:
             yt = yt * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
@@ -181,7 +213,16 @@ GEMV_CONFIGS = {
     ("routed", "float"): dict(BN=4, BK=1024, num_warps=4),
     ("picked", "int8"): dict(BN=32, BK=128, num_warps=4),
     ("routed", "int8"): dict(BN=8, BK=256, num_warps=4),
+    # int4: not swept on a GPU yet; those of the fewest instructions a weight in the compiled loop
+    # (for sm_90) that keep the programs as many as int8's
+    ("norm", "int4"): dict(BN=16, BK=128, num_warps=4),
+    ("gated", "int4"): dict(BN=16, BK=256, num_warps=8),
+    ("plain", "int4"): dict(BN=16, BK=128, num_warps=4),
+    ("picked", "int4"): dict(BN=16, BK=128, num_warps=4),
+    ("routed", "int4"): dict(BN=8, BK=128, num_warps=4),
 }
+# By the weights' dtype: their kind above, and how many of them a 32-bit word holds
+STORAGE = {torch.int8: ("int8", 4), torch.uint8: ("int4", 8)}
 
 
 def input_kind(norm, gated: bool, router, routed: bool) -> str:
@@ -208,34 +249,38 @@ def custom_op(mutates_args=()):
 def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | None = None,
          eps: float = 0.0, gated: bool = False, residual: Tensor | None = None,
          router: Tensor | None = None, top_k: int = 0, norm_topk_prob: bool = False,
-         routed: bool = False) -> Tensor:
+         routed: bool = False, offset: Tensor | None = None) -> Tensor:
     """residual + (weight @ a) * scale for one token x (1, 1, K), where a is RMSNorm(x) * norm with
-    `norm`, silu(gate) * up of x = [gate, up] with `gated`, else x. weight (N, K) in x's dtype, or
-    int8 (K a multiple of 4) with a `scale` per row. MoE: weight (experts, N, K), and the `router`
-    logits (experts,) pick top_k of them as MoE.forward does: (top_k, 1, N), an output per pick; or,
-    `routed`, with x (top_k, 1, K), the picks' sum weighted by their routing weights, (1, 1, N)."""
-    N, K = weight.shape[-2:]
+    `norm`, silu(gate) * up of x = [gate, up] with `gated`, else x. weight (N, K) in x's dtype; or
+    int8 (K a multiple of 4) with a `scale` per row; or int4, (N, K / 2) uint8 packed as
+    quantize.quantize_int4 packs it, with a `scale` and an `offset` (N, K / group) per group of
+    columns (a multiple of 8). MoE: weight (experts, N, ...), and the `router` logits (experts,)
+    pick top_k of them as MoE.forward does: (top_k, 1, N), an output per pick; or, `routed`, with
+    x (top_k, 1, K), the picks' sum weighted by their routing weights, (1, 1, N)."""
+    kind, pack = STORAGE.get(weight.dtype, ("float", 1))
+    words = weight if kind == "float" else weight.view(torch.int32)
+    N, KW = words.shape[-2:]
+    group = 0 if offset is None else KW * pack // offset.shape[-1]
     experts = 0 if router is None else router.shape[-1]
     out = gemv_output(x, weight, router=router, top_k=top_k, routed=routed)
-    int8 = weight.dtype == torch.int8
-    config = GEMV_CONFIGS[input_kind(norm, gated, router, routed), "int8" if int8 else "float"]
-    # An int32 word holds 4 int8 weights
-    words = weight.view(torch.int32) if int8 else weight
+    config = GEMV_CONFIGS[input_kind(norm, gated, router, routed), kind]
+    # int4: whole groups a block
+    config = dict(config, BK=max(config["BK"], group // pack))
     routing = dict(EXPERTS=experts, TOP_K=top_k, NORM_TOPK=norm_topk_prob, ROUTED=routed,
                    TERMS=top_k if routed else 1, EB=triton.next_power_of_2(max(experts, 1)),
                    KB=triton.next_power_of_2(max(top_k, 1)))
     grid = (triton.cdiv(N, config["BN"]), out.shape[0])
     # A None argument is a constexpr None to Triton: the branches that would read it are not
     # compiled
-    _gemv[grid](x, words, scale, norm, residual, out, router, N, K, x.shape[-1], eps,
-                NORM=norm is not None, GATED=gated, SCALE=scale is not None,
-                RES=residual is not None, PACK=4 if int8 else 1, **routing, **config)
+    _gemv[grid](x, words, scale, offset, norm, residual, out, router, N, KW, x.shape[-1], eps,
+                NORM=norm is not None, GATED=gated, SCALE=scale is not None and not group,
+                RES=residual is not None, PACK=pack, GROUP=group, **routing, **config)
     return out
 
 
 @torch.library.register_fake("qwen3_fast::gemv")
 def gemv_output(x, weight, scale=None, norm=None, eps=0.0, gated=False, residual=None, router=None,
-                top_k=0, norm_topk_prob=False, routed=False):
+                top_k=0, norm_topk_prob=False, routed=False, offset=None):
     """gemv's output, uninitialised: (top_k, 1, N) for the picked experts, else (1, 1, N)."""
     picked = router is not None and not routed
     return x.new_empty(top_k if picked else 1, 1, weight.shape[-2])

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 import torch
@@ -53,12 +54,14 @@ def fresh_dynamo():
 
 def hf_checkpoint(path, *, hidden=64, heads=4, kv_heads=2, head_dim=16, layers=2, tied=False,
                   sharded=False, old_rope=False, dtype=torch.float32, seed=0, vocab=VOCAB,
-                  moe=None, rope=None):
+                  moe=None, rope=None, intermediate=None):
     """A random Qwen3 snapshot written by transformers itself (save_pretrained); with `moe`
     (settings of Qwen3MoeConfig), a Qwen3-MoE one with 8 experts of which 2 are picked unless `moe`
-    says otherwise; with `rope`, those rope_parameters."""
+    says otherwise; with `rope`, those rope_parameters. The MLP's intermediate size: 2 x hidden +
+    32 unless `intermediate` says otherwise."""
     import transformers
-    common = dict(hidden_size=hidden, intermediate_size=2 * hidden + 32, num_hidden_layers=layers,
+    intermediate = intermediate or 2 * hidden + 32
+    common = dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                   vocab_size=vocab, max_position_embeddings=2048,
                   rope_theta=1e4 if old_rope else 1e6, rms_norm_eps=1e-6,
@@ -146,6 +149,13 @@ def tiny_moe(tmp_path_factory):
     hf, path = converted(tmp_path_factory.mktemp("tiny_moe"), layers=3,
                          moe=dict(mlp_only_layers=[0]))
     return path
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_int4(tmp_path_factory):
+    """A tiny Qwen3-MoE checkpoint as tiny_moe, its experts 64 wide, in int4 (groups of 8)."""
+    moe = dict(mlp_only_layers=[0], moe_intermediate_size=64)
+    return quantized_of(tmp_path_factory.mktemp("tiny_moe_int4"), "int4", layers=3, moe=moe)
 
 
 def load(path, slots=1, capacity=256, dtype=torch.float32, device="cpu"):
@@ -464,7 +474,7 @@ def test_config_variants():
     assert args.yarn == {"factor": 4.0, "original_max_position_embeddings": 32768}
     assert (args.max_position_embeddings == 131072
             and convert.model_args(vars(args)).yarn == args.yarn)
-    with pytest.raises(UserError, match="rope type dynamic is not supported"):
+    with pytest.raises(UserError, match="rope type dynamic: only default RoPE and YaRN"):
         convert.model_args({**base, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}})
     with pytest.raises(UserError, match="YaRN parameters .* are not all finite numbers"):
         convert.model_args({**base, "rope_scaling": {**yarn, "factor": "4"}})
@@ -538,8 +548,8 @@ def test_the_card_files_work_without_the_fast_path(tiny, tmp_path):
     assert r.returncode == 0 and "5 new tokens" in r.stderr, r.stderr
     assert not os.path.exists(tmp_path / "qwen3_triton.py")
     # int8 needs quantize.py: one line, nothing written
-    r = cli("--checkpoint-dir", str(tmp_path / "hf"), "--int8", script=script, cwd=tmp_path,
-            env=env)
+    r = cli("--checkpoint-dir", str(tmp_path / "hf"), "--quantize", "int8", script=script,
+            cwd=tmp_path, env=env)
     assert r.returncode == 1 and r.stderr == "error: int8 needs quantize.py beside this file\n"
     assert not (tmp_path / "hf" / "converted-int8").exists()
     shutil.copytree(tmp_path / "hf" / "converted", tmp_path / "int8")
@@ -963,7 +973,7 @@ def test_convert_cli_prints_one_line(snapshot):
 def test_int8_quality_against_fp32(tmp_path, tied, moe):
     hf, path = converted(tmp_path, hidden=128, heads=8, kv_heads=2, head_dim=32, layers=4,
                          vocab=2048, tied=tied, moe=moe)
-    convert.convert(str(tmp_path / "hf"), str(tmp_path / "int8"), int8=True)
+    convert.convert(str(tmp_path / "hf"), str(tmp_path / "int8"), quantization="int8")
     q8 = load(str(tmp_path / "int8"))
     assert q8.layers[0].self_attn.qkv_proj.weight.dtype == torch.int8
     assert q8.embed_tokens.weight.dtype == torch.float32
@@ -1001,7 +1011,7 @@ def test_int8_checkpoint_with_a_bf16_lm_head_is_refused_in_one_line(tmp_path):
     # untied int8 checkpoints written before lm_head was quantized: lm_head.weight in float, no
     # lm_head.weight_scale
     hf, path = converted(tmp_path)
-    convert.convert(str(tmp_path / "hf"), str(tmp_path / "int8"), int8=True)
+    convert.convert(str(tmp_path / "hf"), str(tmp_path / "int8"), quantization="int8")
     shards = sorted((tmp_path / "int8").glob("*.safetensors"))
     shard = next(f for f in shards if "lm_head.weight_scale" in load_file(f))
     state = load_file(shard)
@@ -1019,7 +1029,7 @@ def test_int8_modules_equal_their_dequantized_weights(tmp_path, moe):
     same model with the dequantized weights loaded as plain ones; and quantize.py's own conversion
     of a converted checkpoint writes the converter's --int8 tensors."""
     hf, path = converted(tmp_path, moe=moe)
-    convert.convert(str(tmp_path / "hf"), str(tmp_path / "int8"), int8=True)
+    convert.convert(str(tmp_path / "hf"), str(tmp_path / "int8"), quantization="int8")
     q8 = load(str(tmp_path / "int8"), capacity=64)
     plain = load(path, capacity=64)
     state = q8.state_dict()
@@ -1027,7 +1037,7 @@ def test_int8_modules_equal_their_dequantized_weights(tmp_path, moe):
         if weight.dtype == torch.int8:
             scale = state[f"{name}_scale"]
             plain.get_parameter(name).copy_(weight.float() * scale[..., None])
-    assert any(isinstance(m, Q.Int8Experts) for m in q8.modules()) == (moe is not None)
+    assert any(isinstance(m, Q.QuantizedExperts) for m in q8.modules()) == (moe is not None)
     prompt = list(range(1, 30))
     assert (forward(q8, prompt) - forward(plain, prompt)).abs().max() <= 1e-4
     r = cli("--checkpoint", path, "--mode", "int8", script=os.path.join(HERE, "quantize.py"))
@@ -1057,9 +1067,9 @@ def test_int8_quantize_roundtrip():
 
 def test_int8_bad_inputs(tmp_path, capsys):
     hf, path = converted(tmp_path)
-    convert.convert(str(tmp_path / "hf"), str(tmp_path / "int8"), int8=True)
+    convert.convert(str(tmp_path / "hf"), str(tmp_path / "int8"), quantization="int8")
     assert "already converted" in convert_error(["--checkpoint-dir", str(tmp_path / "int8"),
-                                                 "--int8"], capsys)
+                                                 "--quantize", "int8"], capsys)
     assert "already converted" in convert_error(["--checkpoint-dir", path], capsys)
     cfg = json.load(open(tmp_path / "int8" / "config.json"))
     json.dump({**cfg, "quantization": None}, open(tmp_path / "int8" / "config.json", "w"))
@@ -1068,6 +1078,137 @@ def test_int8_bad_inputs(tmp_path, capsys):
     json.dump({**cfg, "hidden_size": 96}, open(tmp_path / "int8" / "config.json", "w"))
     with pytest.raises(UserError, match="do not match"):
         load(str(tmp_path / "int8"))
+
+
+# A tiny model whose every layer's input is a multiple of 128, int4's default group size
+INT4_SHAPES = dict(hidden=128, head_dim=32, intermediate=256)
+INT4_MOE = dict(mlp_only_layers=[0], moe_intermediate_size=128)
+
+
+def int4_dequantized(packed, scale, offset):
+    """The weight (..., n_out, n_in) of int4 as quantize_int4 documents it: byte j holds column 2j
+    in its low nibble and column 2j + 1 in its high one; w = q * scale + offset per group."""
+    q = torch.empty(*packed.shape[:-1], 2 * packed.shape[-1])
+    q[..., 0::2], q[..., 1::2] = packed & 15, packed >> 4
+    group = q.shape[-1] // scale.shape[-1]
+    return q * scale.float().repeat_interleave(group, -1) + offset.float().repeat_interleave(
+        group, -1)
+
+
+def test_int4_quantize_roundtrip():
+    """Each group's lowest weight is q = 0 and its highest q = 15; every weight within about half
+    a step of its value (the bf16 scale and offset round a little)."""
+    torch.manual_seed(0)
+    # rows of very different scales, rows and groups off centre
+    centres = torch.randn(64, 1) + torch.randn(64, 3).repeat_interleave(32, -1)
+    w = (torch.randn(64, 96) + centres) * torch.linspace(0.01, 3, 64)[:, None]
+    packed, scale, offset = Q.quantize_int4(w, 32)
+    assert packed.dtype == torch.uint8 and packed.shape == (64, 48)
+    assert scale.dtype == offset.dtype == torch.bfloat16 and scale.shape == offset.shape == (64, 3)
+    q = torch.stack((packed & 15, packed >> 4), -1).flatten(-2).unflatten(-1, (3, 32))
+    assert (q.amin(-1) == 0).all() and (q.amax(-1) == 15).all()
+    error = (int4_dequantized(packed, scale, offset) - w).abs().unflatten(-1, (3, 32)).amax(-1)
+    assert (error <= 0.6 * scale.float() + offset.float().abs() / 128).all()
+
+
+@pytest.mark.parametrize("moe", [None, INT4_MOE], ids=["dense", "moe"])
+def test_int4_modules_equal_their_dequantized_weights(tmp_path, moe):
+    """quantize.py's int4 modules: the logits of the converter's int4 checkpoint (one pass, groups
+    of 128) equal, to 1e-4 in fp32, those of the same model with the dequantized weights loaded as
+    plain ones; quantize.py --mode int4 of the bf16 conversion writes the converter's tensors, and
+    with --group-size 32 a checkpoint of 4 times the scales, as equal to its dequantized weights."""
+    hf, path = converted(tmp_path, moe=moe, **INT4_SHAPES)
+    one_pass = tmp_path / "hf" / "converted-int4"
+    r = cli("--checkpoint-dir", str(tmp_path / "hf"), "--quantize", "int4",
+            script=os.path.join(HERE, "convert_hf_checkpoint.py"))
+    assert r.returncode == 0 and r.stderr == f"wrote {one_pass}\n", r.stderr
+    script = os.path.join(HERE, "quantize.py")
+    r = cli("--checkpoint", path, "--mode", "int4", script=script)
+    assert r.returncode == 0 and r.stderr == f"wrote {path}-int4\n", r.stderr
+    ours, theirs = (read_all(p) for p in (path + "-int4", one_pass))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    r = cli("--checkpoint", path, "--mode", "int4", "--group-size", "32", "--output",
+            str(tmp_path / "g32"), script=script)
+    assert r.returncode == 0, r.stderr
+    for directory, group in ((one_pass, 128), (tmp_path / "g32", 32)):
+        config = json.load(open(directory / "config.json"))
+        assert config["quantization"] == "int4" and config["group_size"] == group
+        q4 = load(str(directory), capacity=64)
+        plain = load(path, capacity=64)
+        state = q4.state_dict()
+        for name, weight in state.items():
+            if weight.dtype == torch.uint8:
+                scale, offset = state[f"{name}_scale"], state[f"{name}_offset"]
+                assert scale.shape[-1] * group == 2 * weight.shape[-1], name
+                plain.get_parameter(name).copy_(int4_dequantized(weight, scale, offset))
+        quantized = [m for m in q4.modules() if isinstance(m, Q.WeightOnlyInt4Linear)]
+        # qkv, o, gate-up and down of 2 layers (MoE: 1 dense) and the untied lm_head
+        assert len(quantized) == (7 if moe else 9)
+        assert any(isinstance(m, Q.QuantizedExperts) for m in q4.modules()) == (moe is not None)
+        prompt = list(range(1, 30))
+        assert (forward(q4, prompt) - forward(plain, prompt)).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("moe", [None, INT4_MOE], ids=["dense", "moe"])
+def test_int4_quality_against_fp32(tmp_path, moe):
+    """int4's logits near fp32's (a random model's weights are int4's worst case: no group of
+    them is narrow), nearer with smaller groups, not as near as int8's; its weights an eighth of
+    fp32's and a little more (a bf16 scale and offset per group)."""
+    hf, path = converted(tmp_path, heads=8, layers=4, vocab=2048, moe=moe, **INT4_SHAPES)
+    ref = load(path)
+    torch.manual_seed(8)
+    prompt = torch.randint(0, 2048, (64,)).tolist()
+    want = forward(ref, prompt)
+    errors = {}
+    for mode, group in (("int8", None), ("int4", 8), ("int4", 32), ("int4", 128)):
+        out = str(tmp_path / f"{mode}-{group}")
+        Q.quantize_checkpoint(path, out, mode, group)
+        got = forward(load(out), prompt)
+        errors[mode, group] = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
+        cos = torch.nn.functional.cosine_similarity(got, want, dim=-1).min().item()
+        assert cos >= 0.85, (mode, group, cos)
+    assert errors["int8", None] < errors["int4", 8] < errors["int4", 32] < errors["int4", 128]
+
+    def size(directory):
+        return sum(f.stat().st_size for f in pathlib.Path(directory).glob("*.safetensors"))
+    quantized = sum(p.numel() for n, p in ref.named_parameters()
+                    if "proj" in n or n == "lm_head.weight")
+    # fp32 -> half a byte, plus 4 bytes per group of 128
+    shrunk = size(path) - size(tmp_path / "int4-128")
+    assert 0.95 * 3.5 * quantized < shrunk < 3.5 * quantized
+
+
+def test_int4_bad_inputs_are_one_line(tiny, tmp_path, snapshot):
+    """A group size that no layer's input divides, or no power of two, or given to int8; int4 of
+    a snapshot whose layers 128 doesn't divide: each refused in one line, nothing written. A
+    config.json with an unknown quantization or a bad group size is refused; then generate.py runs
+    the int4 checkpoint."""
+    script = os.path.join(HERE, "quantize.py")
+    out = str(tmp_path / "out")
+    refusals = {("int4", "128"): "layers.0.self_attn.qkv_proj: its 64 input columns are no "
+                                 "multiple of the group size 128",
+                ("int4", "24"): "group size 24: it must be a power of two, at least 8",
+                ("int8", "64"): "--group-size is int4's"}
+    for (mode, group), message in refusals.items():
+        r = cli("--checkpoint", tiny, "--mode", mode, "--group-size", group, "--output", out,
+                script=script)
+        one_line_error(r, message)
+        assert not os.path.exists(out)
+    r = cli("--checkpoint-dir", str(snapshot), "--quantize", "int4", "--output", out,
+            script=os.path.join(HERE, "convert_hf_checkpoint.py"))
+    one_line_error(r, "its 64 input columns are no multiple of the group size 128")
+    assert not os.path.exists(out)
+    Q.quantize_checkpoint(tiny, out, "int4", 16)
+    for changes, message in ((dict(quantization="int3"), "unknown quantization 'int3'"),
+                             (dict(group_size="16"), "group size '16': it must be"),
+                             (dict(group_size=None), "group size None: it must be")):
+        edit_json(pathlib.Path(out, "config.json"), **changes)
+        with pytest.raises(UserError, match=re.escape(message)):
+            load(out)
+        edit_json(pathlib.Path(out, "config.json"), quantization="int4", group_size=16)
+    r = cli("--checkpoint", out, "--prompt", "hi", "--max-new-tokens", "5", "--seed", "0",
+            "--device", "cpu")
+    assert r.returncode == 0 and "5 new tokens" in r.stderr, r.stderr
 
 
 # ---------------------------------------------------------------- sampling
@@ -1309,7 +1450,7 @@ def test_greedy_decode_equals_full_recomputation(tiny):
         seq.append(t)
 
 
-@pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe"])
+@pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe", "tiny_moe_int4"])
 def test_compile_matches_eager_on_cpu_sampled_with_one_seed(checkpoint, request):
     """The same seed gives the same sampled tokens compiled and eager: compiled code draws its noise
     with eager's random functions (inductor's fallback_random), in the same order."""
@@ -1561,16 +1702,15 @@ def test_cuda_graph_capture_changes_no_state(checkpoint, request):
 
 
 @needs_cuda
-@pytest.mark.parametrize("moe", [None, dict(mlp_only_layers=[0])])
-def test_cuda_int8_modes_identical_greedy(tmp_path, moe):
-    hf, path = converted(tmp_path, moe=moe)
-    convert.convert(str(tmp_path / "hf"), str(tmp_path / "int8"), int8=True)
-    q8 = str(tmp_path / "int8")
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("moe", [None, dict(mlp_only_layers=[0], moe_intermediate_size=64)])
+def test_cuda_quantized_modes_identical_greedy(tmp_path, moe, quantization):
+    path = quantized_of(tmp_path, quantization, moe=moe)
     # fp32: in bf16 the fused dequantising reduction rounds once where eager rounds after the matmul
     # and again after the scale, which flips near-tied greedy choices of a random model.
-    eager = greedy(q8, [[1, 2, 3]], max_new=40, device="cuda")
+    eager = greedy(path, [[1, 2, 3]], max_new=40, device="cuda")
     for mode in ("compile", "graph"):
-        assert greedy(q8, [[1, 2, 3]], max_new=40, device="cuda", **MODES[mode]) == eager, mode
+        assert greedy(path, [[1, 2, 3]], max_new=40, device="cuda", **MODES[mode]) == eager, mode
 
 
 def test_cuda_graph_without_cuda_is_one_line_before_loading(tmp_path, capsys):
@@ -2181,22 +2321,27 @@ def run_split(path, tmp_path, processes, kernels=False):
     return [torch.load(out / f"{rank}.pt") for rank in range(max(processes, 1))]
 
 
-def int8_of(tmp_path, **kw):
-    converted(tmp_path, **kw)
-    convert.convert(str(tmp_path / "hf"), str(tmp_path / "int8"), int8=True)
-    return str(tmp_path / "int8")
+def quantized_of(tmp_path, mode, **kw):
+    """A tiny checkpoint (converted's keywords) quantized as `mode`; int4 in groups of 8 columns,
+    of which the tiny layers' inputs are whole numbers (the experts' too with
+    moe_intermediate_size=64, and each share of them up to 4 ranks)."""
+    hf, path = converted(tmp_path, **kw)
+    out = str(tmp_path / mode)
+    Q.quantize_checkpoint(path, out, mode, group_size=8)
+    return out
 
 
 @pytest.mark.parametrize("checkpoint,processes", [("tiny", 2), ("tiny_moe", 2), ("int8", 2),
-                                                  ("tiny", 4)],
-                         ids=["dense", "moe", "int8", "dense-kv-replicated"])
+                                                  ("int4", 2), ("tiny", 4)],
+                         ids=["dense", "moe", "int8", "int4", "dense-kv-replicated"])
 def test_tensor_parallel_ranks_equal_one_process(checkpoint, processes, request, tmp_path):
     """torchrun, gloo: fp32 logits within 1e-5 of one process's over a prefill and 32 steps, the
     same greedy and sampled tokens (one prompt and a batch) on every rank. With 4 ranks the tiny
     model's 2 kv heads are each replicated over 2 ranks. Where Triton is installed, a prompt runs
     through the fast path too (greedy), whose kernels add the residual on one rank alone."""
-    if checkpoint == "int8":
-        path = int8_of(tmp_path / "ck", moe=dict(mlp_only_layers=[0]))
+    if checkpoint in ("int8", "int4"):
+        moe = dict(mlp_only_layers=[0], moe_intermediate_size=64)
+        path = quantized_of(tmp_path / "ck", checkpoint, moe=moe)
     else:
         path = request.getfixturevalue(checkpoint)
     # The interpreter is slow: not every case
@@ -2228,39 +2373,57 @@ class CountingSlice:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_tensor_parallel_reads_each_rank_its_share(world, tmp_path):
-    """Every split tensor of a dense and a MoE int8 checkpoint: each rank reads its share exactly
-    (1/world of it; of q 1/world and of k and v 1/2 where 4 ranks replicate 2 kv heads), the rest
-    whole; the ranks' shares put back together are the tensor."""
+    """Every split tensor of a dense and a MoE checkpoint, int8 and int4: each rank reads its share
+    exactly (1/world of it; of q 1/world and of k and v 1/2 where 4 ranks replicate 2 kv heads),
+    the rest whole; the ranks' shares put back together are the tensor. An int4 model whose
+    experts' inputs split into parts of groups is refused, naming them."""
     import tp
-    for path in (int8_of(tmp_path / "dense"), int8_of(tmp_path / "moe", moe={})):
-        tensors = load_file(next(pathlib.Path(path).glob("model*.safetensors")))
-        args = convert.model_args(json.load(open(os.path.join(path, "config.json"))))
-        for name, tensor in tensors.items():
-            shares, reads = [], []
-            for rank in range(world):
-                split = tp.TensorParallel(rank, world, torch.device("cpu"))
-                split.rank_args(args)
-                part = CountingSlice(tensor)
-                shares.append(split.read(name, part))
-                reads.append(part.read)
-            # "layers.0.mlp.experts.down_proj_scale" -> down_proj, a scale
-            leaf = "scale" if name.endswith("_scale") else "weight"
-            module = [p for p in name.removesuffix("_scale").split(".") if p.endswith("_proj")]
-            module = (module or [None])[-1]
-            if module in ("o_proj", "down_proj") and leaf == "weight":
-                assert reads == [tensor.numel() // world] * world, name
-                assert torch.equal(torch.cat(shares, -1), tensor), name
-            elif module in ("qkv_proj", "gate_up_proj"):
-                q = args.num_attention_heads * args.head_dim
-                kv = args.num_key_value_heads * args.head_dim
-                rows = [q // world, kv // min(world, 2), kv // min(world, 2)]
-                if module == "gate_up_proj":
-                    rows = [tensor.shape[-2 if leaf == "weight" else -1] // 2 // world] * 2
-                per_row = tensor.numel() // tensor.shape[-2 if leaf == "weight" else -1]
-                assert reads == [sum(rows) * per_row] * world, name
-            else:
-                assert reads == [tensor.numel()] * world and all(
-                    torch.equal(share, tensor) for share in shares), name
+    for mode in ("int8", "int4"):
+        dense = quantized_of(tmp_path / mode / "dense", mode)
+        moe = quantized_of(tmp_path / mode / "moe", mode, moe=dict(moe_intermediate_size=64))
+        for path in (dense, moe):
+            assert_reads_shares(path, mode, world, tp)
+    # 40 inputs an expert's down_proj: 20 a rank, 2 groups and a half
+    path = quantized_of(tmp_path / "ragged", "int4", moe={})
+    split = tp.TensorParallel(1, 2, torch.device("cpu"))
+    with pytest.raises(UserError, match=r"^layers.0.mlp.experts.down_proj: its 20 input columns "
+                                        r"are no multiple of the group size 8$"):
+        G.load_model(path, split=split)
+
+
+def assert_reads_shares(path, mode, world, tp):
+    """test_tensor_parallel_reads_each_rank_its_share's checks of one checkpoint."""
+    tensors = load_file(next(pathlib.Path(path).glob("model*.safetensors")))
+    args = convert.model_args(json.load(open(os.path.join(path, "config.json"))))
+    for name, tensor in tensors.items():
+        shares, reads = [], []
+        for rank in range(world):
+            split = tp.TensorParallel(rank, world, torch.device("cpu"))
+            split.rank_args(args)
+            part = CountingSlice(tensor)
+            shares.append(split.read(name, part))
+            reads.append(part.read)
+        # An int8 scale, one per output row, in its last dimension; int4's scales and offsets,
+        # rows and a column per group, as a weight
+        leaf = "scale" if mode == "int8" and name.endswith("_scale") else "weight"
+        # "layers.0.mlp.experts.down_proj_scale" -> down_proj
+        module = [p for p in re.sub("_(scale|offset)$", "", name).split(".")
+                  if p.endswith("_proj")]
+        module = (module or [None])[-1]
+        if module in ("o_proj", "down_proj") and leaf == "weight":
+            assert reads == [tensor.numel() // world] * world, name
+            assert torch.equal(torch.cat(shares, -1), tensor), name
+        elif module in ("qkv_proj", "gate_up_proj"):
+            q = args.num_attention_heads * args.head_dim
+            kv = args.num_key_value_heads * args.head_dim
+            rows = [q // world, kv // min(world, 2), kv // min(world, 2)]
+            if module == "gate_up_proj":
+                rows = [tensor.shape[-2 if leaf == "weight" else -1] // 2 // world] * 2
+            per_row = tensor.numel() // tensor.shape[-2 if leaf == "weight" else -1]
+            assert reads == [sum(rows) * per_row] * world, name
+        else:
+            assert reads == [tensor.numel()] * world and all(
+                torch.equal(share, tensor) for share in shares), name
 
 
 def test_tensor_parallel_a_world_that_does_not_split_the_model_is_one_line(tiny):
@@ -2336,8 +2499,11 @@ def assert_close(got, want, tol, what):
 
 @pytest.mark.parametrize("device,dtype,tol", KERNEL_RUNS)
 # K above the kernel's block: a ragged last block
-@pytest.mark.parametrize("N,K", [(40, 48), (300, 1100)])
+@pytest.mark.parametrize("N,K", [(40, 48), (300, 1104)])
 def test_kernel_gemv_matches_reference_ops(device, dtype, tol, N, K):
+    """The product, alone and with each input it fuses (the RMSNorm, the SiLU gate, the residual),
+    as PyTorch's ops make it: of float weights, and of quantize.py's int8 and int4 layers (in
+    groups of 16 columns)."""
     torch.manual_seed(0)
     x, w, res = torch.randn(1, 1, K), torch.randn(N, K) / K ** 0.5, torch.randn(1, 1, N)
     norm = torch.nn.RMSNorm(K, 1e-6)
@@ -2353,25 +2519,38 @@ def test_kernel_gemv_matches_reference_ops(device, dtype, tol, N, K):
         x2 = torch.randn(1, 1, 2 * K, device=device, dtype=dtype)
         silu = torch.nn.functional.silu(x2[..., :K]) * x2[..., K:]
         assert_close(fast.gemv(x2, w, gated=True), lin(silu), tol, "gated")
-        q8 = Q.WeightOnlyInt8Linear(K, N).to(device)
-        q8.weight, q8.weight_scale = quantize_int8(w.float())
-        assert_close(fast.gemv(x, q8.weight, q8.weight_scale), q8(x), tol, "int8")
-        got = fast.gemv(x, q8.weight, q8.weight_scale, norm.weight, 1e-6, False, res)
-        assert_close(got, res + q8(norm(x)), tol, "int8 norm")
-        q8.weight, q8.weight_scale = quantize_int8(w.float() * 3)
-        got = fast.gemv(x2, q8.weight, q8.weight_scale, gated=True, residual=res)
-        assert_close(got, res + q8(silu), tol, "int8 gated+residual")
+        for mode, group_size in (("int8", None), ("int4", 16)):
+            layer = quantized_linear(w.float(), group_size).to(device)
+            assert_close(fast.product(fast.weights(layer), x), layer(x), tol, mode)
+            got = fast.product(fast.weights(layer), x, norm=norm, residual=res)
+            assert_close(got, res + layer(norm(x)), tol, f"{mode} norm+res")
+            layer = quantized_linear(w.float() * 3, group_size).to(device)
+            got = fast.product(fast.weights(layer), x2, gated=True, residual=res)
+            assert_close(got, res + layer(silu), tol, f"{mode} gated+res")
     torch.library.opcheck(torch.ops.qwen3_fast.gemv,
                           (x, w, None, norm.weight.detach(), 1e-6, False, res))
+    weight, scale, offset = fast.weights(layer)
+    torch.library.opcheck(torch.ops.qwen3_fast.gemv, (x2, weight, scale, None, 0.0, True, res),
+                          dict(offset=offset))
+
+
+def quantized_linear(weight, group_size):
+    """quantize.py's linear layer holding `weight` (N, K): int8 with group_size None, else
+    int4."""
+    layer = Q.linear(weight.shape[1], weight.shape[0], group_size)
+    for name, tensor in Q.quantize("weight", weight, group_size).items():
+        setattr(layer, name, tensor)
+    return layer
 
 
 @pytest.mark.parametrize("device,dtype,tol", KERNEL_RUNS)
-@pytest.mark.parametrize("int8,norm_topk_prob", [(False, True), (True, False)])
-def test_kernel_gemv_of_picked_experts_matches_reference_ops(device, dtype, tol, int8,
+@pytest.mark.parametrize("mode,norm_topk_prob", [(None, True), ("int8", False), ("int4", True)])
+def test_kernel_gemv_of_picked_experts_matches_reference_ops(device, dtype, tol, mode,
                                                              norm_topk_prob):
     """A MoE layer's two products, the experts picked by the kernels from the router's logits:
     gate-up of each pick (RMSNorm fused), and down of each pick's SiLU-gated input, weighted by its
-    routing weight and summed with the residual. 6 experts (not a power of two), 3 picks."""
+    routing weight and summed with the residual. 6 experts (not a power of two), 3 picks; float
+    weights, or quantize.py's int8 or int4 (in groups of 8 columns)."""
     torch.manual_seed(0)
     E, N, K, top_k = 6, 40, 48, 3
     x = torch.randn(1, 1, K, device=device, dtype=dtype)
@@ -2379,15 +2558,16 @@ def test_kernel_gemv_of_picked_experts_matches_reference_ops(device, dtype, tol,
     norm = torch.nn.RMSNorm(K, 1e-6).to(device, dtype)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
-    # Each product's weight, int8 scale (or None) and its fp32 value
+    # Each product's weight, scale and offset (None where it has none), and its fp32 value
     products = []
     for shape in ((E, 2 * N, K), (E, K, N)):
         w = torch.randn(shape, device=device) * shape[-1] ** -0.5
-        if int8:
-            q, scale = quantize_int8(w)
-            products.append((q, scale, q.float() * scale[..., None]))
+        if mode is None:
+            products.append(((w.to(dtype), None, None), w.to(dtype).float()))
         else:
-            products.append((w.to(dtype), None, w.to(dtype).float()))
+            group_size = 8 if mode == "int4" else None
+            held = types.SimpleNamespace(**Q.quantize("w", w, group_size))
+            products.append((fast.weights(held, "w"), Q.dequantized(held, "w", torch.float)))
     gate_up, down = products
     weights, picked = logits.softmax(-1, dtype=torch.float).topk(top_k)
     if norm_topk_prob:
@@ -2395,16 +2575,17 @@ def test_kernel_gemv_of_picked_experts_matches_reference_ops(device, dtype, tol,
     res = torch.randn(1, 1, K, device=device, dtype=dtype)
     routing = dict(router=logits, top_k=top_k, norm_topk_prob=norm_topk_prob)
     with torch.no_grad():
-        h = fast.gemv(x, gate_up[0], gate_up[1], norm.weight, 1e-6, **routing)
-        want = torch.einsum("k,enk->en", norm(x)[0, 0].float(), gate_up[2][picked])
+        h = fast.product(gate_up[0], x, norm=norm, **routing)
+        want = torch.einsum("k,enk->en", norm(x)[0, 0].float(), gate_up[1][picked])
         assert h.shape == (top_k, 1, 2 * N)
         h = h[:, 0]
         assert_close(h, want, tol, "picked gate-up")
-        got = fast.gemv(h, down[0], down[1], gated=True, residual=res, routed=True, **routing)
+        got = fast.product(down[0], h, gated=True, residual=res, routed=True, **routing)
         gated = torch.nn.functional.silu(h[:, :N].float()) * h[:, N:].float()
-        terms = torch.einsum("en,ekn->ek", gated, down[2][picked])
+        terms = torch.einsum("en,ekn->ek", gated, down[1][picked])
         assert_close(got, res + (terms * weights[:, None]).sum(0), tol, "routed down")
-    args = (h, down[0], down[1], None, 0.0, True, res, logits, top_k, norm_topk_prob, True)
+    weight, scale, offset = down[0]
+    args = (h, weight, scale, None, 0.0, True, res, logits, top_k, norm_topk_prob, True, offset)
     torch.library.opcheck(torch.ops.qwen3_fast.gemv, args)
 
 
@@ -2503,7 +2684,7 @@ def test_the_top_k_kernel_draws_where_it_takes_the_filter(tiny, monkeypatch):
 
 
 @pytest.mark.parametrize("device,dtype,tol", KERNEL_RUNS[:2])
-@pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe"])
+@pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe", "tiny_moe_int4"])
 def test_model_with_kernels_matches_reference_ops(checkpoint, device, dtype, tol, request):
     """forward_one_token's glue around the kernels (cache views, strides, positions, expert ids): a
     batch-1 greedy decode with the kernels gives the tokens and caches of one without, across the

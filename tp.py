@@ -6,11 +6,12 @@ or CPU processes (gloo, with --device cpu). generate.py runs whole without this 
 Each rank builds the model at its own shapes and reads only its slices of the converted files: 1/N
 of the query heads, of the kv heads (each replicated over N / kv_heads ranks where N is larger, as
 the large serving engines do), of the MLP's and of each expert's intermediate size. q, k and v are
-split inside the fused qkv_proj, gate and up inside the fused gate_up_proj (column-parallel, int8
-scales following their rows); o_proj and down_proj take their input split (row-parallel), and one
-all-reduce each sums the ranks' shares. The embedding, the norms, the MoE router and lm_head are
-whole on every rank, so every rank gets the same logits and, from the same seed, samples the same
-tokens: nothing is broadcast.
+split inside the fused qkv_proj, gate and up inside the fused gate_up_proj (column-parallel, scales
+and offsets following their rows); o_proj and down_proj take their input split (row-parallel, int4's
+scales and offsets their groups), and one all-reduce each sums the ranks' shares. The embedding, the
+norms, the MoE router and lm_head are whole on every rank, so every rank gets the same logits and,
+from the same seed, samples the same tokens: nothing is broadcast. A rank's share of an int4 layer's
+input is whole groups, or it is refused.
 """
 import atexit
 import dataclasses
@@ -96,14 +97,16 @@ class TensorParallel:
 
     def read(self, name: str, part) -> torch.Tensor:
         """This rank's share of the converted tensor `name` from `part`, its safetensors slice:
-        only these bytes are read. A weight's output rows are its second-last dimension; an int8
-        scale (`name`_scale) has one per output row, its last."""
-        scale = name.endswith("_scale")
+        only these bytes are read. A weight's output rows are its second-last dimension, as are
+        those of int4's scales and offsets (a column per group); an int8 scale (`name`_scale) has
+        one per output row, its last."""
         # "layers.0.mlp.experts.down_proj", "layers.0.self_attn.o_proj.weight_scale" -> the product
-        pieces = name.removesuffix("_scale").split(".")
+        pieces = name.removesuffix("_scale").removesuffix("_offset").split(".")
         module = [piece for piece in pieces if piece.endswith("_proj")]
         module = module[-1] if module else None
         shape = part.get_shape()
+        # An int8 scale has a dimension fewer than its weight: 3 for stacked experts, else 2
+        scale = name.endswith("_scale") and len(shape) < 2 + ("experts" in pieces)
         whole = [slice(None)] * len(shape)
         if module in ROW_PARALLEL and not scale:  # the input columns, made contiguous
             width = shape[-1] // self.world

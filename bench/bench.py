@@ -2,7 +2,8 @@
 built on the GPU.
 
     python bench/bench.py decode --size 8B --modes eager,compile,graph --peer
-    python bench/bench.py decode --size 8B --int8
+    python bench/bench.py decode --size 8B --quant int8
+    python bench/bench.py decode --size 235B-A22B --quant int4 --modes graph  # one H200 holds it
     python bench/bench.py decode --size 8B --batch 8
     python bench/bench.py decode --size 30B-A3B --peer                  # MoE
     python bench/bench.py decode --size 0.6B --modes graph --profile   # the kernels of one
@@ -72,26 +73,34 @@ VOCAB = 151936
 SAMPLED = G.SamplingParams(temperature=0.6, top_k=20, top_p=0.95)  # Qwen3's generation_config.json
 
 
-def random_model(size: str, int8: bool) -> Transformer:
+def random_model(size: str, quant: str | None) -> Transformer:
     """A preset with random bf16 weights, built on the GPU in bf16 (never a float32 copy: 30B-A3B is
-    61 GB); with int8, every layer quantize.py quantizes gets random int8 weights and scales of the
-    bf16 weights' size."""
+    61 GB); with `quant` (int8, or int4 in groups of 128), every layer quantize.py quantizes gets
+    random weights straight in their stored form (never a bf16 copy: 235B-A22B's is 470 GB), and
+    scales (and offsets) that give them the bf16 weights' size."""
     args = ModelArgs(**PRESETS[size], head_dim=128, vocab_size=VOCAB)
     torch.manual_seed(0)
     with torch.device("meta"):
         model = Transformer(args)
-        if int8:
-            quantize.swap_in_int8(model)
-    model = model.to(torch.bfloat16)  # .to() leaves the int8 buffers int8
+        if quant:
+            quantize.swap_in(model, quantize.quantized_config({}, quant))
+    model = model.to(torch.bfloat16)  # .to() leaves the int8 and packed int4 buffers as they are
     model = model.to_empty(device="cuda")
     state = model.state_dict()
     with torch.no_grad():
         for name, tensor in state.items():
             if tensor.dtype == torch.int8:
                 tensor.random_(-127, 128)
+            elif tensor.dtype == torch.uint8:  # two int4 weights a byte
+                tensor.random_(0, 256)
             elif name.endswith("_scale"):  # of the weight `name` less _scale
-                columns = state[name.removesuffix("_scale")].shape[-1]
-                tensor.uniform_(0.5, 1.5).mul_(columns ** -0.5 / 127)
+                weight = state[name.removesuffix("_scale")]
+                int4 = weight.dtype == torch.uint8
+                # weights of about columns ** -0.5: int8's q up to 127, int4's q - 7.5 up to 7.5
+                columns = weight.shape[-1] * (2 if int4 else 1)
+                tensor.uniform_(0.5, 1.5).mul_(columns ** -0.5 / (7.5 if int4 else 127))
+            elif name.endswith("_offset"):  # int4's w = (q - 7.5) * scale
+                tensor.copy_(state[name.removesuffix("_offset") + "_scale"]).mul_(-7.5)
             elif "norm" in name:
                 tensor.uniform_(0.5, 1.5)
             elif name == "embed_tokens.weight":
@@ -169,7 +178,7 @@ def decode(a: argparse.Namespace, mode: str) -> dict:
     gc.collect()  # the last mode's model, cache and graphs
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    model = random_model(a.size, a.int8)
+    model = random_model(a.size, a.quant)
     gen = G.Generator(model, batch=a.batch, capacity=a.cache,
                       sampling=G.SamplingParams() if a.greedy else SAMPLED,
                       use_kernels=not a.no_kernels, **MODES[mode])
@@ -183,7 +192,7 @@ def decode(a: argparse.Namespace, mode: str) -> dict:
     rates = rate_from_two_lengths(lambda n: gen.generate(prompts, max_new=n, stop_ids=set()),
                                   a.n1, a.n2, a.repeats)
     best = max(rates)
-    row = {"size": a.size, "mode": mode, "int8": a.int8, "batch": a.batch,
+    row = {"size": a.size, "mode": mode, "quant": a.quant, "batch": a.batch,
            "kernels": not a.no_kernels, "greedy": a.greedy, "decode_tok_s": round(best, 1),
            "aggregate_tok_s": round(best * a.batch, 1), "all": [round(r, 1) for r in rates],
            "weights_GB": round(weight_bytes(model) / 1e9, 3),
@@ -254,7 +263,7 @@ def ttft(a: argparse.Namespace) -> list:
     --peer: transformers' generate(max_new_tokens=1) for each length, in the same process.
     --history H: each prompt also as a chat's next turn, prefilled after H tokens already in the
     cache (generate(start=H), as Chat does), beside the prefill of the whole H + prompt."""
-    model = random_model(a.size, a.int8)
+    model = random_model(a.size, a.quant)
     lengths = [int(n) for n in a.lengths.split(",")]
     for mode in a.modes.split(","):
         torch._dynamo.reset()
@@ -313,7 +322,7 @@ def first_text(a: argparse.Namespace) -> list:
     as the user sees it, from the start of a process running generate.py to its first byte on
     stdout. Each run is a process of its own."""
     if a.inner:
-        model = random_model(a.size, a.int8)
+        model = random_model(a.size, a.quant)
         torch.cuda.synchronize()
         start = time.perf_counter()
         gen = G.Generator(model, batch=1, capacity=a.cache, sampling=SAMPLED, **MODES[a.modes])
@@ -347,7 +356,7 @@ def cold_and_warm(a: argparse.Namespace, mode: str, caches: str) -> list:
                          **first_byte(command, env)})
             continue
         command = [sys.executable, __file__, "first-text", "--inner", "--size", a.size,
-                   "--modes", mode]
+                   "--modes", mode, *(["--quant", a.quant] if a.quant else [])]
         out = subprocess.run(command, env=env, capture_output=True, text=True,
                              check=True).stdout
         rows.append({**json.loads(out.strip().splitlines()[-1]), "run": run})
@@ -411,10 +420,11 @@ def write_checkpoint(a: argparse.Namespace) -> list:
     """A converted checkpoint of --size with random weights at --checkpoint, written from the GPU
     (no Hugging Face snapshot to convert: 30B-A3B's would need the disk twice), with the tokenizer
     files of --tokenizer-from."""
-    model = random_model(a.size, a.int8)
+    model = random_model(a.size, a.quant)
     tensors = convert.checkpoint_tensors(model)
-    config = dict(dataclasses.asdict(model.args), eos_token_id=[151645],
-                  quantization="int8" if a.int8 else None)
+    config = dict(dataclasses.asdict(model.args), eos_token_id=[151645], quantization=None)
+    if a.quant:
+        config = quantize.quantized_config(config, a.quant)
     source = pathlib.Path(a.tokenizer_from)
     convert.write_checkpoint(a.checkpoint, iter(tensors.items()), len(tensors), config, source)
     return [{"wrote": a.checkpoint, "GB": round(weight_bytes(model) / 1e9, 1)}]
@@ -437,7 +447,8 @@ def main():
     ap.add_argument("--n1", type=int, default=64)
     ap.add_argument("--n2", type=int, default=320)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--int8", action="store_true")
+    ap.add_argument("--quant", choices=quantize.MODES,
+                    help="weight-only, as quantize.py stores it (int4: groups of 128 columns)")
     ap.add_argument("--greedy", action="store_true",
                     help="greedy decoding, as the peer (default: sampled)")
     ap.add_argument("--no-kernels", action="store_true",
