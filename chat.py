@@ -10,6 +10,7 @@ stays in the conversation; at the prompt, it ends. generate.py's flags, but --pr
 Optional: generate.py works without this file.
 """
 import dataclasses
+import os
 import sys
 from dataclasses import dataclass
 
@@ -60,11 +61,12 @@ class Conversation:
         started_over = len(ids) > room
         if started_over:
             ids = self.render(self.system + turn)
-            require(len(ids) <= room, f"this turn ({len(ids)} tokens with the system message) + "
-                    f"max new tokens is over the cache length ({self.gen.capacity})")
+            require(len(ids) <= room, f"this turn ({len(ids)} tokens, rendered) + max new tokens "
+                    f"is over the cache length ({self.gen.capacity}): say it in fewer words")
             self.messages, self.cached = list(self.system), []
         # At least the last token runs: its logits draw the reply's first
-        reused = min(common_prefix(self.cached, ids), len(ids) - 1)
+        # commonprefix takes lists too
+        reused = min(len(os.path.commonprefix([self.cached, ids])), len(ids) - 1)
         try:
             rows, stats = self.gen.generate([ids[reused:]], start=reused, on_tokens=on_tokens,
                                             **self.options)
@@ -77,26 +79,20 @@ class Conversation:
         return Reply(rows[0], stats, len(ids) - reused, reused, started_over)
 
 
-def common_prefix(first: list[int], second: list[int]) -> int:
-    """How many leading tokens two token lists share."""
-    shared = 0
-    while shared < min(len(first), len(second)) and first[shared] == second[shared]:
-        shared += 1
-    return shared
-
-
 def read_turn(interactive: bool) -> str:
     """The next line: typed after a `> ` prompt (readline's editing, where Python has it), or
     read from a pipe; "" at the end of the input."""
     try:
         if interactive:
-            return input("> ")
-        # Bytes: a line that is not UTF-8 is refused alone, the next ones still read
-        return sys.stdin.buffer.readline().decode().rstrip("\n")
+            line = input("> ")
+        else:  # bytes: a line that is not UTF-8 is refused alone, the next ones still read
+            line = sys.stdin.buffer.readline().decode()
+        line.encode()  # a terminal's bytes that aren't UTF-8 come as lone surrogates
     except EOFError:
         return ""
-    except UnicodeDecodeError:
+    except UnicodeError:
         raise UserError("that line is not UTF-8 text: type it again") from None
+    return line.rstrip("\n")
 
 
 def converse(argv) -> None:
@@ -106,13 +102,18 @@ def converse(argv) -> None:
     dtype = getattr(torch, args.dtype) if args.dtype else None
     checkpoint = generate.load(args.checkpoint, args.device, dtype)
     sampling = dataclasses.replace(checkpoint.sampling, **args.sampling)
-    most = checkpoint.model.args.max_position_embeddings
-    capacity = args.cache_len or min(CACHE_LEN, most)
+    capacity = args.cache_len or min(CACHE_LEN, checkpoint.model.args.max_position_embeddings)
     gen = generate.Generator(checkpoint.model, batch=1, capacity=capacity, sampling=sampling,
                              compile=args.compile, cuda_graph=args.cuda_graph)
     stop_ids = checkpoint.stop_ids | set(args.stop_ids)
+    # Refused now, not at every turn
+    vocab = checkpoint.model.args.vocab_size
+    require(generate.token_ids(args.stop_ids, vocab), f"--stop-ids: ids in [0, {vocab}), please")
+    require(args.max_new_tokens < capacity, f"--max-new-tokens {args.max_new_tokens} leaves no "
+            f"room in the cache ({capacity} positions): ask for fewer, or a longer --cache-len")
     chat = Conversation(checkpoint, gen, args.system, not args.no_think, stop_ids=stop_ids,
                         max_new=args.max_new_tokens, check_every=args.check_every)
+    require(sys.stdin, "stdin is closed: give the turns a terminal or a pipe")
     interactive = sys.stdin.isatty()
     if interactive:  # input() edits lines with readline, where Python has it
         optional("readline")

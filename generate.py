@@ -398,7 +398,10 @@ class Tokenizer:
         template_file = pathlib.Path(path, "chat_template.jinja")
         # Where newer snapshots keep it; transformers prefers it too
         if template_file.is_file():
-            self.chat_template = template_file.read_text(encoding="utf-8")
+            try:
+                self.chat_template = template_file.read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                raise UserError(f"{template_file} is not UTF-8 text") from None
 
     def encode(self, text: str) -> list[int]:
         try:
@@ -425,8 +428,8 @@ class Tokenizer:
             template = env.from_string(self.chat_template)
             return template.render(messages=messages, add_generation_prompt=True,
                                    enable_thinking=thinking)
-        # TypeError: a template that isn't a string
-        except (jinja2.TemplateError, TypeError) as e:
+        # A template's own error, of whatever kind (1 / 0, a range too large for the sandbox...)
+        except Exception as e:
             raise UserError(f"the checkpoint's chat template fails: {e}") from None
 
 
@@ -577,9 +580,9 @@ def parse_args(argv=None, description: str = __doc__, prompts: bool = True) -> a
                             help="repeat it for a batch: one cache row per prompt")
         parser.add_argument("--chat", action="store_true",
                             help="wrap each prompt in the checkpoint's chat template")
-    parser.add_argument("--system", help="system message for --chat")
+    parser.add_argument("--system", help="the system message (generate.py: with --chat)")
     parser.add_argument("--no-think", action="store_true",
-                        help="with --chat: answer without a thinking block")
+                        help="answer without a thinking block (generate.py: with --chat)")
     # Sampling: the checkpoint's generation_config.json by default, else greedy
     parser.add_argument("--temperature", type=float, help="0 is greedy")
     parser.add_argument("--top-k", type=int, help="0 keeps every token")
@@ -597,7 +600,7 @@ def parse_args(argv=None, description: str = __doc__, prompts: bool = True) -> a
     parser.add_argument("--check-every", type=positive, default=16,
                         help="decode steps between stop checks")
     parser.add_argument("--cache-len", type=positive,
-                        help="KV cache positions (default: prompt + max new tokens)")
+                        help="KV cache positions (default: prompt + max new tokens; chat: 8,192)")
     args = parser.parse_args(argv)
     args.chat = args.chat if prompts else True
     # The flags that replace the checkpoint's sampling defaults, checked now, before loading

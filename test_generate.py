@@ -1834,6 +1834,13 @@ def test_chat_template_from_the_checkpoint_first_refused_where_it_has_none(tiny,
     (own / "chat_template.jinja").write_text("{{ messages[0].content | no_such_filter }}")
     with pytest.raises(UserError, match="the checkpoint's chat template fails: .*no_such_filter"):
         G.Tokenizer(str(own)).chat(user_says("hi"))
+    for failing in ("{{ 1 / 0 }}", "{% for i in range(10 ** 9) %}{% endfor %}"):
+        (own / "chat_template.jinja").write_text(failing)  # Python's errors, not Jinja's
+        with pytest.raises(UserError, match="the checkpoint's chat template fails: "):
+            G.Tokenizer(str(own)).chat(user_says("hi"))
+    (own / "chat_template.jinja").write_bytes(b"\xff{{ messages }}")
+    with pytest.raises(UserError, match="chat_template.jinja is not UTF-8 text"):
+        G.Tokenizer(str(own))
     (own / "chat_template.jinja").unlink()
     (own / "tokenizer_config.json").unlink()
     with pytest.raises(UserError, match="the checkpoint has no chat template"):
@@ -2924,3 +2931,17 @@ def test_cuda_chat_one_text_in_every_mode_with_no_host_sync_in_a_step(checkpoint
         talk = chat.Conversation(checkpoint, gen, None, max_new=16, stop_ids=set())
         assert [talk.say(user).tokens for user, _ in THREE_TURNS] == replies[mode]
     assert replies["compile"] == replies["eager"] == replies["graph"]
+
+
+def test_chat_refuses_bad_flags_and_a_closed_stdin_before_any_turn(tiny):
+    """Flags that would fail every turn, and a closed stdin: one line, exit 1, no turn taken."""
+    chat_py = os.path.join(HERE, "chat.py")
+    for args, message in [(["--stop-ids", "-5"], "--stop-ids: ids in [0, 512)"),
+                          (["--max-new-tokens", "64", "--cache-len", "64"],
+                           "--max-new-tokens 64 leaves no room in the cache (64 positions)")]:
+        r = cli("--device", "cpu", "--checkpoint", tiny, *args, stdin="hi\n", script=chat_py)
+        one_line_error(r, message)
+        assert "prefilled" not in r.stderr
+    command = f"{sys.executable} {chat_py} --device cpu --checkpoint {tiny} <&-"
+    r = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300)
+    one_line_error(r, "stdin is closed")
