@@ -64,8 +64,8 @@ class Conversation:
             require(len(ids) <= room, f"this turn ({len(ids)} tokens, rendered) + max new tokens "
                     f"is over the cache length ({self.gen.capacity}): say it in fewer words")
             self.messages, self.cached = list(self.system), []
-        # At least the last token runs: its logits draw the reply's first
-        # commonprefix takes lists too
+        # The longest common prefix (commonprefix takes lists too), but at least the last token
+        # runs: its logits draw the reply's first
         reused = min(len(os.path.commonprefix([self.cached, ids])), len(ids) - 1)
         try:
             rows, stats = self.gen.generate([ids[reused:]], start=reused, on_tokens=on_tokens,
@@ -97,23 +97,23 @@ def read_turn(interactive: bool) -> str:
 
 def converse(argv) -> None:
     args = generate.parse_args(argv, __doc__, prompts=False)
+    require(sys.stdin, "stdin is closed: give the turns a terminal or a pipe")
     if args.seed is not None:
         torch.manual_seed(args.seed)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     checkpoint = generate.load(args.checkpoint, args.device, dtype)
     sampling = dataclasses.replace(checkpoint.sampling, **args.sampling)
     capacity = args.cache_len or min(CACHE_LEN, checkpoint.model.args.max_position_embeddings)
-    gen = generate.Generator(checkpoint.model, batch=1, capacity=capacity, sampling=sampling,
-                             compile=args.compile, cuda_graph=args.cuda_graph)
-    stop_ids = checkpoint.stop_ids | set(args.stop_ids)
     # Refused now, not at every turn
     vocab = checkpoint.model.args.vocab_size
     require(generate.token_ids(args.stop_ids, vocab), f"--stop-ids: ids in [0, {vocab}), please")
     require(args.max_new_tokens < capacity, f"--max-new-tokens {args.max_new_tokens} leaves no "
             f"room in the cache ({capacity} positions): ask for fewer, or a longer --cache-len")
+    gen = generate.Generator(checkpoint.model, batch=1, capacity=capacity, sampling=sampling,
+                             compile=args.compile, cuda_graph=args.cuda_graph)
+    stop_ids = checkpoint.stop_ids | set(args.stop_ids)
     chat = Conversation(checkpoint, gen, args.system, not args.no_think, stop_ids=stop_ids,
                         max_new=args.max_new_tokens, check_every=args.check_every)
-    require(sys.stdin, "stdin is closed: give the turns a terminal or a pipe")
     interactive = sys.stdin.isatty()
     if interactive:  # input() edits lines with readline, where Python has it
         optional("readline")
