@@ -549,7 +549,7 @@ def report(stats: GenerationStats, rows: list[list[int]]) -> str:
     tokens = counted(sum(map(len, rows)), "new token")
     line = f"{tokens} in {counted(len(rows), 'row')}. Time to first token {stats.prefill_s:.3f} s"
     if stats.interrupted:
-        line = f"Interrupted: {line[0].lower()}{line[1:]}"
+        line = f"Interrupted: {line}"
     if stats.warmup_s:
         line += f"; compiling or capturing decode steps {stats.warmup_s:.2f} s"
     if stats.decode_steps:
@@ -628,7 +628,7 @@ def main(argv=None, command=None):
     stop_on_signals()
     try:
         (command or run)(argv)
-    except KeyboardInterrupt:  # before the decode loop: nothing was generated
+    except KeyboardInterrupt:  # outside a decode loop: loading, or chat.py's prompt
         exit_interrupted("interrupted")
     except USER_ERRORS as e:
         # Under torchrun every rank reads the same flags and files: rank 0 alone says what is wrong
