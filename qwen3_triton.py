@@ -103,123 +103,144 @@ def _route(router, EXPERTS: tl.constexpr, TOP_K: tl.constexpr, NORM_TOPK: tl.con
 
 
 @triton.jit
-def _gemv(x, weight, scale, offset, norm, res, out, router, N, KW, x_row, eps: tl.constexpr,
-          NORM: tl.constexpr, GATED: tl.constexpr, SCALE: tl.constexpr, RES: tl.constexpr,
-          EXPERTS: tl.constexpr, TOP_K: tl.constexpr, NORM_TOPK: tl.constexpr,
-          ROUTED: tl.constexpr, TERMS: tl.constexpr, EB: tl.constexpr, KB: tl.constexpr,
+def _gemv(x, weight, scale, offset, norm, res, out, router, partials, arrivals, N, KW, x_row,
+          eps: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
+          SCALE: tl.constexpr, RES: tl.constexpr, EXPERTS: tl.constexpr, TOP_K: tl.constexpr,
+          NORM_TOPK: tl.constexpr, ROUTED: tl.constexpr, EB: tl.constexpr, KB: tl.constexpr,
           BN: tl.constexpr, BK: tl.constexpr, PACK: tl.constexpr, GROUP: tl.constexpr):
     # out[j, n] = res[n] + scale[n] * sum_k w[n, k] * a[k], where a = x * norm / rms(x), or
     # silu(x[:K]) * x[K:], or x. MoE: w and scale hold EXPERTS experts, of which the router's logits
     # pick TOP_K, and output j uses pick j; or, ROUTED, one output sums the picks', each from its
-    # own input row x[t], weighted by its routing weight. int8 weights come as int32 words of PACK =
-    # 4 bytes, and integer operations make each byte an fp32 (the float bits 0x4B000000 | byte ^
-    # 0x80 are 2^23 + 128 + its value): a conversion instruction per byte would be the limit. int4
-    # weights come as words of PACK = 8 nibbles, w = q * scale + offset per GROUP columns of a row:
-    # the sums of q * a of a block's groups are scaled, plus offset * each group's sum of a.
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    # own input row x[t], weighted by its routing weight. Quantized weights come as int32 words of
+    # PACK fields, int8's 4 bytes or int4's 8 nibbles. A field masked where it lies in the word's
+    # low 16 bits (fields PACK / 2 on, of the word shifted down 16) is, as float bits, the
+    # subnormal u * 2^(shift - 149), exactly: one integer operation a weight, where a conversion
+    # instruction a weight would be the limit. int8's u = q + 128 (its sign bit flipped in the same
+    # operation): the sum of a times 128 is taken off at the end. int4's w = q * scale + offset
+    # per GROUP columns of a row: the sums of q * a of a block's groups are scaled, plus offset *
+    # each group's sum of a.
+    #
+    # Program (tile, j, t): BN rows of output j; ROUTED, of pick t alone. A program summing the
+    # picks would read their weights one after another, too few bytes in flight to reach the
+    # bandwidth: each writes its pick's share to `partials`, and the last of a tile's picks to
+    # arrive (counted in `arrivals`, which it sets back to 0) sums them in pick order.
+    tile = tl.program_id(0)
+    n = tile * BN + tl.arange(0, BN)
     j = tl.program_id(1)
-    # KW weight words per row; GW words per int4 group, else 1
+    t = tl.program_id(2)
+    # KW weight words per row; GW words per int4 group, else 1; B bits a field
     K = KW * PACK
     GW: tl.constexpr = max(GROUP // PACK, 1)
-    y = tl.zeros([BN], tl.float32)
+    B: tl.constexpr = 32 // PACK
+    # the input row this program reads, and its pick
+    xt = x + t * x_row
     expert = 0
     if EXPERTS:
         ids, weights = _route(router, EXPERTS, TOP_K, NORM_TOPK, EB, KB)
-    # TOP_K picks when ROUTED, else 1; unrolled: loads overlap
-    for t in tl.static_range(TERMS):
-        if EXPERTS:
-            pick = tl.arange(0, KB) == j + t
-            expert = tl.sum(tl.where(pick, ids, 0), axis=0)
-        xt = x + t * x_row
-        w_rows = weight + expert * N * KW
-        acc = tl.zeros([BN, BK // GW], tl.float32)
-        squares = tl.zeros([BK], tl.float32)
-        for k0 in range(0, KW, BK):
-            words = k0 + tl.arange(0, BK)
-            w_mask = (n[:, None] < N) & (words[None, :] < KW)
-            w_words = tl.load(w_rows + n[:, None] * KW + words[None, :], mask=w_mask, other=0)
-            # int4: the block's products apart, to be scaled by group, and each word's sum of a
-            part = acc
-            if GROUP:
-                part = tl.zeros([BN, BK], tl.float32)
-                a_sum = tl.zeros([BK], tl.float32)
-                # nibbles 5 to 7 moved to bits 8 to 19, where they are float bits as they stand
-                high = w_words >> 12
-            for i in tl.static_range(PACK):
-                k = words * PACK + i
-                a = tl.load(xt + k, mask=k < K, other=0.0).to(tl.float32)
-                if GATED:
-                    up = tl.load(xt + K + k, mask=k < K, other=0.0).to(tl.float32)
-                    a = a * tl.sigmoid(a) * up
-                # 1/rms is applied at the end: it scales every output alike
-                if NORM:
-                    squares += a * a
-                    a = a * tl.load(norm + k, mask=k < K, other=0.0).to(tl.float32)
-                if PACK == 8:
-                    # Nibble i masked where it lies, at bits `shift` (of `high` from 5 on): as float
-                    # bits, the subnormal q * 2^(shift - 149), exactly. a takes 2^(85 - shift), so
-                    # the product is q * a * 2^-64 (scaled back by group): one integer operation a
-                    # weight, no conversion and no subtraction
-                    shift = 4 * i - 12 * (i // 5)
-                    bits = (high if i >= 5 else w_words) & (15 << shift)
-                    wi = bits.to(tl.float32, bitcast=True)
-                    a_sum += a
-                    a = a * (2.0 ** 85 / (1 << shift))
-                elif PACK == 4:
-                    bits = ((w_words >> 8 * i) & 0xFF) ^ 0x4B000080
-                    wi = bits.to(tl.float32, bitcast=True) - 8388736.0
-                else:
-                    wi = w_words.to(tl.float32)
-                part += wi * a[None, :]
-            if GROUP:
-                # (BN, BK / GW) the block's sums by group, and their groups' scales and offsets
-                sums = tl.sum(tl.reshape(part, [BN, BK // GW, GW]), axis=2)
-                a_sums = tl.sum(tl.reshape(a_sum, [BK // GW, GW]), axis=1)
-                g = k0 // GW + tl.arange(0, BK // GW)
-                at = (expert * N + n[:, None]) * (K // GROUP) + g[None, :]
-                g_mask = (n[:, None] < N) & (g[None, :] < K // GROUP)
-                s = tl.load(scale + at, mask=g_mask, other=0.0).to(tl.float32)
-                o = tl.load(offset + at, mask=g_mask, other=0.0).to(tl.float32)
-                part = acc + sums * (s * 2.0 ** 64) + o * a_sums[None, :]
-            acc = part
-        yt = tl.sum(acc, axis=1)
-        if NORM:
-            yt = yt * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
-        if SCALE:
-            s = tl.load(scale + expert * N + n, mask=n < N, other=0.0)
-            yt = yt * s.to(tl.float32)
-        if ROUTED:
-            yt = yt * tl.sum(tl.where(pick, weights, 0.0), axis=0)
-        y += yt
+        pick = tl.arange(0, KB) == j + t
+        expert = tl.sum(tl.where(pick, ids, 0), axis=0)
+    w_rows = weight + expert * N * KW
+    acc = tl.zeros([BN, BK // GW], tl.float32)
+    # int8: the sum of a, for its bias of 128
+    a_total = tl.zeros([BK], tl.float32)
+    squares = tl.zeros([BK], tl.float32)
+    for k0 in range(0, KW, BK):
+        words = k0 + tl.arange(0, BK)
+        w_mask = (n[:, None] < N) & (words[None, :] < KW)
+        w_words = tl.load(w_rows + n[:, None] * KW + words[None, :], mask=w_mask, other=0)
+        # int4: the block's products apart, to be scaled by group
+        part = acc
+        if GROUP:
+            part = tl.zeros([BN, BK], tl.float32)
+        a_sum = tl.zeros([BK], tl.float32)
+        if PACK > 1:
+            high = w_words >> 16
+        for i in tl.static_range(PACK):
+            k = words * PACK + i
+            a = tl.load(xt + k, mask=k < K, other=0.0).to(tl.float32)
+            if GATED:
+                up = tl.load(xt + K + k, mask=k < K, other=0.0).to(tl.float32)
+                a = a * tl.sigmoid(a) * up
+            # 1/rms is applied at the end: it scales every output alike
+            if NORM:
+                squares += a * a
+                a = a * tl.load(norm + k, mask=k < K, other=0.0).to(tl.float32)
+            if PACK > 1:
+                # The subnormal u * 2^(shift - 149); a takes 2^(85 - shift), so the product is
+                # u * a * 2^-64, scaled back at the end
+                shift = B * (i % (PACK // 2))
+                bits = (high if i >= PACK // 2 else w_words) & ((2 ** B - 1) << shift)
+                if not GROUP:
+                    bits = bits ^ (128 << shift)
+                wi = bits.to(tl.float32, bitcast=True)
+                a_sum += a
+                a = a * (2.0 ** 85 / (1 << shift))
+            else:
+                wi = w_words.to(tl.float32)
+            part += wi * a[None, :]
+        if GROUP:
+            # (BN, BK / GW) the block's sums by group, and their groups' scales and offsets
+            sums = tl.sum(tl.reshape(part, [BN, BK // GW, GW]), axis=2)
+            a_sums = tl.sum(tl.reshape(a_sum, [BK // GW, GW]), axis=1)
+            g = k0 // GW + tl.arange(0, BK // GW)
+            at = (expert * N + n[:, None]) * (K // GROUP) + g[None, :]
+            g_mask = (n[:, None] < N) & (g[None, :] < K // GROUP)
+            s_g = tl.load(scale + at, mask=g_mask, other=0.0).to(tl.float32)
+            o_g = tl.load(offset + at, mask=g_mask, other=0.0).to(tl.float32)
+            part = acc + sums * (s_g * 2.0 ** 64) + o_g * a_sums[None, :]
+        acc = part
+        a_total += a_sum
+    y = tl.sum(acc, axis=1)
+    if PACK == 4:
+        y = y * 2.0 ** 64 - 128.0 * tl.sum(a_total, axis=0)
+    if NORM:
+        y = y * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+    if SCALE:
+        y = y * tl.load(scale + expert * N + n, mask=n < N, other=0.0).to(tl.float32)
+    if ROUTED:
+        y = y * tl.sum(tl.where(pick, weights, 0.0), axis=0)
+    # the rows this program writes: all, or ROUTED, none but for the last pick
+    rows = n < N
+    if ROUTED:
+        # the tile's partial sums (TOP_K, BN)
+        tl.store(partials + (tile * TOP_K + t) * BN + tl.arange(0, BN), y)
+        # acquire and release: the last sees every pick's store
+        arrived = tl.atomic_add(arrivals + tile, 1)
+        tl.store(arrivals + tile, 0, mask=arrived == TOP_K - 1)
+        # as a (BN,) vector: Triton's interpreter takes no scalar in a mask
+        rows = rows & (arrived + tl.zeros([BN], tl.int32) == TOP_K - 1)
+        y = tl.zeros([BN], tl.float32)
+        for other in tl.static_range(TOP_K):
+            at = (tile * TOP_K + other) * BN + tl.arange(0, BN)
+            y += tl.load(partials + at, mask=rows, other=0.0, cache_modifier=".cg")
     if RES:
         y = y + tl.load(res + n, mask=n < N, other=0.0).to(tl.float32)
-    tl.store(out + j * N + n, y.to(out.dtype.element_ty), mask=n < N)
+    tl.store(out + j * N + n, y.to(out.dtype.element_ty), mask=rows)
 
 
 # Launch configurations of _gemv by what it fuses into its input and how its weights are stored,
-# from sweeps on the H200 over the shapes of 0.6B, 8B and 30B-A3B, weighted by their count in a step
-# (bench/RESULTS.md): more rows per program where the work on x costs more, or for int8.
+# from sweeps on the H200 over the shapes of 0.6B, 8B, 30B-A3B and 235B-A22B, weighted by their
+# count in a step (bench/RESULTS.md): more rows per program where the work on x costs more, or for
+# quantized weights.
 # BN: weight rows per program, BK: weight words per block
 GEMV_CONFIGS = {
     ("norm", "float"): dict(BN=8, BK=512, num_warps=2),
     ("gated", "float"): dict(BN=8, BK=1024, num_warps=4),
     ("plain", "float"): dict(BN=2, BK=1024, num_warps=4),
     ("norm", "int8"): dict(BN=16, BK=128, num_warps=4),
-    ("gated", "int8"): dict(BN=8, BK=512, num_warps=8),
+    ("gated", "int8"): dict(BN=8, BK=512, num_warps=4),
     ("plain", "int8"): dict(BN=8, BK=512, num_warps=4),
     # MoE gate-up, 30B-A3B's shapes
     ("picked", "float"): dict(BN=16, BK=256, num_warps=1),
     # MoE down
-    ("routed", "float"): dict(BN=4, BK=1024, num_warps=4),
-    ("picked", "int8"): dict(BN=32, BK=128, num_warps=4),
-    ("routed", "int8"): dict(BN=8, BK=256, num_warps=4),
-    # int4: not swept on a GPU yet; those of the fewest instructions a weight in the compiled loop
-    # (for sm_90) that keep the programs as many as int8's
+    ("routed", "float"): dict(BN=4, BK=256, num_warps=1),
+    ("picked", "int8"): dict(BN=16, BK=64, num_warps=2),
+    ("routed", "int8"): dict(BN=32, BK=64, num_warps=2),
     ("norm", "int4"): dict(BN=16, BK=128, num_warps=4),
-    ("gated", "int4"): dict(BN=16, BK=256, num_warps=8),
-    ("plain", "int4"): dict(BN=16, BK=128, num_warps=4),
-    ("picked", "int4"): dict(BN=16, BK=128, num_warps=4),
-    ("routed", "int4"): dict(BN=8, BK=128, num_warps=4),
+    ("gated", "int4"): dict(BN=16, BK=512, num_warps=8),
+    ("plain", "int4"): dict(BN=16, BK=512, num_warps=8),
+    ("picked", "int4"): dict(BN=32, BK=128, num_warps=4),
+    ("routed", "int4"): dict(BN=32, BK=64, num_warps=2),
 }
 # By the weights' dtype: their kind above, and how many of them a 32-bit word holds
 STORAGE = {torch.int8: ("int8", 4), torch.uint8: ("int4", 8)}
@@ -245,6 +266,20 @@ def custom_op(mutates_args=()):
     return register
 
 
+# The routed products' arrival counters by device: one an output tile, zero between calls
+ARRIVALS = {}
+
+
+def arrival_counts(device: torch.device) -> Tensor:
+    """The device's arrival counters (a zeroed int32 each, for up to 2^16 tiles), made once and
+    kept: the last program of a tile sets its counter back to 0. Made on a first, eager call
+    (torch.compile and CUDA graphs run a step before they record it), never while a graph
+    records."""
+    if device not in ARRIVALS:
+        ARRIVALS[device] = torch.zeros(1 << 16, dtype=torch.int32, device=device)
+    return ARRIVALS[device]
+
+
 @custom_op()
 def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | None = None,
          eps: float = 0.0, gated: bool = False, residual: Tensor | None = None,
@@ -267,12 +302,17 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | 
     # int4: whole groups a block
     config = dict(config, BK=max(config["BK"], group // pack))
     routing = dict(EXPERTS=experts, TOP_K=top_k, NORM_TOPK=norm_topk_prob, ROUTED=routed,
-                   TERMS=top_k if routed else 1, EB=triton.next_power_of_2(max(experts, 1)),
+                   EB=triton.next_power_of_2(max(experts, 1)),
                    KB=triton.next_power_of_2(max(top_k, 1)))
-    grid = (triton.cdiv(N, config["BN"]), out.shape[0])
+    tiles = triton.cdiv(N, config["BN"])
+    # routed: a program a pick, each pick's (tiles, BN) outputs apart
+    picks = top_k if routed else 1
+    partials = x.new_empty(tiles * picks * config["BN"], dtype=torch.float32)
+    grid = (tiles, out.shape[0], picks)
     # A None argument is a constexpr None to Triton: the branches that would read it are not
     # compiled
-    _gemv[grid](x, words, scale, offset, norm, residual, out, router, N, KW, x.shape[-1], eps,
+    _gemv[grid](x, words, scale, offset, norm, residual, out, router, partials,
+                arrival_counts(x.device), N, KW, x.shape[-1], eps,
                 NORM=norm is not None, GATED=gated, SCALE=scale is not None and not group,
                 RES=residual is not None, PACK=pack, GROUP=group, **routing, **config)
     return out
