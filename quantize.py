@@ -76,7 +76,8 @@ def dequantized(module: nn.Module, name: str, dtype) -> Tensor:
     offset = getattr(module, f"{name}_offset")[..., None].to(dtype)
     # (..., n_out, groups, group_size): byte j's low nibble is column 2j, its high one 2j + 1
     groups = torch.stack((q & 15, q >> 4), -1).flatten(-2).unflatten(-1, (scale.shape[-2], -1))
-    return groups.to(dtype).mul_(scale).add_(offset).flatten(-2)
+    # offset + q * scale in one pass from the integers, their only full-precision copy
+    return torch.addcmul(offset, groups, scale).flatten(-2)
 
 
 def add_buffers(module: nn.Module, name: str, shape, group_size: int | None) -> None:
