@@ -79,6 +79,25 @@ def product(proj: tuple, x: Tensor, norm: torch.nn.RMSNorm | None = None,
     return split.all_reduce(share)
 
 
+def dependent_launch(tensor: Tensor) -> dict:
+    """Launch options for a kernel of this file's decode step on tensor's device: programmatic
+    dependent launch on Hopper GPUs and later, where a kernel may start while the one before it
+    ends (its launch and set-up hidden, even in a CUDA graph); off elsewhere, and in Triton's
+    interpreter, which has no such launch."""
+    on = tensor.is_cuda and torch.cuda.get_device_capability(tensor.device) >= (9, 0)
+    return dict(PDL=on, launch_pdl=on)
+
+
+@triton.jit
+def _after_previous(PDL: tl.constexpr):
+    # With programmatic dependent launch: lets the next kernel launch now, and waits until the
+    # previous kernel has ended and its writes are seen. Called first: every kernel here reads
+    # what the previous wrote, or writes what it might read (a buffer freed and reused).
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+
+
 @triton.jit
 def _route(router, EXPERTS: tl.constexpr, TOP_K: tl.constexpr, NORM_TOPK: tl.constexpr,
            EB: tl.constexpr, KB: tl.constexpr):
@@ -103,27 +122,27 @@ def _route(router, EXPERTS: tl.constexpr, TOP_K: tl.constexpr, NORM_TOPK: tl.con
 
 
 @triton.jit
-def _gemv(x, weight, scale, offset, norm, res, out, router, partials, arrivals, N, KW, x_row,
+def _gemv(x, weight, scale, offset, norm, res, out, router, N, KW, x_row,
           eps: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
           SCALE: tl.constexpr, RES: tl.constexpr, EXPERTS: tl.constexpr, TOP_K: tl.constexpr,
           NORM_TOPK: tl.constexpr, ROUTED: tl.constexpr, EB: tl.constexpr, KB: tl.constexpr,
-          BN: tl.constexpr, BK: tl.constexpr, PACK: tl.constexpr, GROUP: tl.constexpr):
+          BN: tl.constexpr, BK: tl.constexpr, PACK: tl.constexpr, GROUP: tl.constexpr,
+          PDL: tl.constexpr):
     # out[j, n] = res[n] + scale[n] * sum_k w[n, k] * a[k], where a = x * norm / rms(x), or
     # silu(x[:K]) * x[K:], or x. MoE: w and scale hold EXPERTS experts, of which the router's logits
-    # pick TOP_K, and output j uses pick j; or, ROUTED, one output sums the picks', each from its
-    # own input row x[t], weighted by its routing weight. Quantized weights come as int32 words of
-    # PACK fields, int8's 4 bytes or int4's 8 nibbles. A field masked where it lies in the word's
-    # low 16 bits (fields PACK / 2 on, of the word shifted down 16) is, as float bits, the
-    # subnormal u * 2^(shift - 149), exactly: one integer operation a weight, where a conversion
-    # instruction a weight would be the limit. int8's u = q + 128 (its sign bit flipped in the same
-    # operation): the sum of a times 128 is taken off at the end. int4's w = q * scale + offset
-    # per GROUP columns of a row: the sums of q * a of a block's groups are scaled, plus offset *
-    # each group's sum of a.
+    # pick TOP_K, and output j uses pick j; or, ROUTED, output t is pick t's, from its own input
+    # row x[t] and weighted by its routing weight, for _add_rows to sum. Quantized weights come as
+    # int32 words of PACK fields, int8's 4 bytes or int4's 8 nibbles. A field masked where it lies
+    # in the word's low 16 bits (fields PACK / 2 on, of the word shifted down 16) is, as float bits,
+    # the subnormal u * 2^(shift - 149), exactly: one integer operation a weight, where a
+    # conversion instruction a weight would be the limit. int8's u = q + 128 (its sign bit flipped
+    # in the same operation): the sum of a times 128 is taken off at the end. int4's w = q * scale
+    # + offset per GROUP columns of a row: the sums of q * a of a block's groups are scaled, plus
+    # offset * each group's sum of a.
     #
-    # Program (tile, j, t): BN rows of output j; ROUTED, of pick t alone. A program summing the
-    # picks would read their weights one after another, too few bytes in flight to reach the
-    # bandwidth: each writes its pick's share to `partials`, and the last of a tile's picks to
-    # arrive (counted in `arrivals`, which it sets back to 0) sums them in pick order.
+    # Program (tile, j, t): BN rows of output j (picked), or t (ROUTED: a program summing the
+    # picks would read their weights one after another, too few bytes in flight).
+    _after_previous(PDL)
     tile = tl.program_id(0)
     n = tile * BN + tl.arange(0, BN)
     j = tl.program_id(1)
@@ -199,23 +218,22 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, partials, arrivals, 
         y = y * tl.load(scale + expert * N + n, mask=n < N, other=0.0).to(tl.float32)
     if ROUTED:
         y = y * tl.sum(tl.where(pick, weights, 0.0), axis=0)
-    # the rows this program writes: all, or ROUTED, none but for the last pick
-    rows = n < N
-    if ROUTED:
-        # the tile's partial sums (TOP_K, BN)
-        tl.store(partials + (tile * TOP_K + t) * BN + tl.arange(0, BN), y)
-        # acquire and release: the last sees every pick's store
-        arrived = tl.atomic_add(arrivals + tile, 1)
-        tl.store(arrivals + tile, 0, mask=arrived == TOP_K - 1)
-        # as a (BN,) vector: Triton's interpreter takes no scalar in a mask
-        rows = rows & (arrived + tl.zeros([BN], tl.int32) == TOP_K - 1)
-        y = tl.zeros([BN], tl.float32)
-        for other in tl.static_range(TOP_K):
-            at = (tile * TOP_K + other) * BN + tl.arange(0, BN)
-            y += tl.load(partials + at, mask=rows, other=0.0, cache_modifier=".cg")
     if RES:
         y = y + tl.load(res + n, mask=n < N, other=0.0).to(tl.float32)
-    tl.store(out + j * N + n, y.to(out.dtype.element_ty), mask=rows)
+    tl.store(out + (j + t) * N + n, y.to(out.dtype.element_ty), mask=n < N)
+
+
+@triton.jit
+def _add_rows(rows, res, out, N, ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    # out = the sum of rows (ROWS, N) in row order, plus res: a routed product's picks
+    _after_previous(PDL)
+    n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    y = tl.zeros([BLOCK], tl.float32)
+    for row in tl.static_range(ROWS):
+        y += tl.load(rows + row * N + n, mask=n < N, other=0.0)
+    if res is not None:
+        y += tl.load(res + n, mask=n < N, other=0.0).to(tl.float32)
+    tl.store(out + n, y.to(out.dtype.element_ty), mask=n < N)
 
 
 # Launch configurations of _gemv by what it fuses into its input and how its weights are stored,
@@ -266,20 +284,6 @@ def custom_op(mutates_args=()):
     return register
 
 
-# The routed products' arrival counters by device: one an output tile, zero between calls
-ARRIVALS = {}
-
-
-def arrival_counts(device: torch.device) -> Tensor:
-    """The device's arrival counters (a zeroed int32 each, for up to 2^16 tiles), made once and
-    kept: the last program of a tile sets its counter back to 0. Made on a first, eager call
-    (torch.compile and CUDA graphs run a step before they record it), never while a graph
-    records."""
-    if device not in ARRIVALS:
-        ARRIVALS[device] = torch.zeros(1 << 16, dtype=torch.int32, device=device)
-    return ARRIVALS[device]
-
-
 @custom_op()
 def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | None = None,
          eps: float = 0.0, gated: bool = False, residual: Tensor | None = None,
@@ -304,17 +308,21 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | 
     routing = dict(EXPERTS=experts, TOP_K=top_k, NORM_TOPK=norm_topk_prob, ROUTED=routed,
                    EB=triton.next_power_of_2(max(experts, 1)),
                    KB=triton.next_power_of_2(max(top_k, 1)))
-    tiles = triton.cdiv(N, config["BN"])
-    # routed: a program a pick, each pick's (tiles, BN) outputs apart
-    picks = top_k if routed else 1
-    partials = x.new_empty(tiles * picks * config["BN"], dtype=torch.float32)
-    grid = (tiles, out.shape[0], picks)
+    # routed: a program a pick, each writing its row of `picks` (top_k, 1, N) in fp32, which
+    # _add_rows then sums with the residual
+    picks, added = out, residual
+    if routed:
+        picks, added = x.new_empty(top_k, 1, N, dtype=torch.float32), None
+    grid = (triton.cdiv(N, config["BN"]), out.shape[0], top_k if routed else 1)
     # A None argument is a constexpr None to Triton: the branches that would read it are not
     # compiled
-    _gemv[grid](x, words, scale, offset, norm, residual, out, router, partials,
-                arrival_counts(x.device), N, KW, x.shape[-1], eps,
+    _gemv[grid](x, words, scale, offset, norm, added, picks, router, N, KW, x.shape[-1], eps,
                 NORM=norm is not None, GATED=gated, SCALE=scale is not None and not group,
-                RES=residual is not None, PACK=pack, GROUP=group, **routing, **config)
+                RES=added is not None, PACK=pack, GROUP=group, **routing, **config,
+                **dependent_launch(x))
+    if routed:
+        _add_rows[(triton.cdiv(N, 1024),)](picks, residual, out, N, ROWS=top_k, BLOCK=1024,
+                                           **dependent_launch(x))
     return out
 
 
@@ -350,13 +358,14 @@ def _norm_rope(x, rows, row_mask, weight, cos, sin, eps, HEAD_DIM: tl.constexpr,
 def _attention(qkv, cache_k, cache_v, pos, cos, sin, q_norm, k_norm, partial, lse, qkv_row,
                cs_row, k_row, k_head, k_pos, eps: tl.constexpr, sm_scale: tl.constexpr,
                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-               BLOCK: tl.constexpr, SPLITS: tl.constexpr):
+               BLOCK: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
     # Program (row r, kv head h, split s), from the row's fused q|k|v product: normalises and
     # rotates the GROUP query heads of h, attends over the split's share of the keys at positions <=
     # p, the query's (the cost follows the live length, not the cache's), and writes the normalised
     # partial output and its log-sum-exp for _merge. The split whose share holds p first writes the
     # new key (normalised and rotated) and value there; no other program reads position p.
     # row, kv head, split
+    _after_previous(PDL)
     r, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g = tl.arange(0, G)
     d = tl.arange(0, D)
@@ -413,8 +422,10 @@ def _attention(qkv, cache_k, cache_v, pos, cos, sin, q_norm, k_norm, partial, ls
 
 
 @triton.jit
-def _merge(partial, lse, out, HEAD_DIM: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):
+def _merge(partial, lse, out, HEAD_DIM: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+           PDL: tl.constexpr):
     # One (row, head): the splits' outputs weighted by exp(lse) over their sum, which is exact
+    _after_previous(PDL)
     i = tl.program_id(0)
     s = tl.arange(0, SPLITS)
     d = tl.arange(0, D)
@@ -453,9 +464,10 @@ def decode_attention(qkv: Tensor, cache_k: Tensor, cache_v: Tensor, positions: T
         qkv, cache_k, cache_v, positions, cos, sin, q_norm, k_norm, partial, lse, qkv.stride(0),
         cos.stride(0), k_row, k_head, k_pos, eps=eps, sm_scale=head_dim ** -0.5, GROUP=group,
         HEAD_DIM=head_dim, G=max(16, triton.next_power_of_2(group)), D=D, BLOCK=64,
-        SPLITS=splits)
+        SPLITS=splits, **dependent_launch(qkv))
     out = torch.empty(rows, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    _merge[(rows * heads,)](partial, lse, out, HEAD_DIM=head_dim, D=D, SPLITS=splits)
+    _merge[(rows * heads,)](partial, lse, out, HEAD_DIM=head_dim, D=D, SPLITS=splits,
+                            **dependent_launch(qkv))
     return out
 
 
