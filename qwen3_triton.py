@@ -82,19 +82,20 @@ def product(proj: tuple, x: Tensor, norm: torch.nn.RMSNorm | None = None,
 def dependent_launch(tensor: Tensor) -> dict:
     """Launch options for a kernel of this file's decode step on tensor's device: programmatic
     dependent launch on Hopper GPUs and later, where a kernel may start while the one before it
-    ends (its launch and set-up hidden, even in a CUDA graph); off elsewhere, and in Triton's
+    ends (its launch and set-up hidden, in a CUDA graph too); off elsewhere, and in Triton's
     interpreter, which has no such launch."""
     on = tensor.is_cuda and torch.cuda.get_device_capability(tensor.device) >= (9, 0)
     return dict(PDL=on, launch_pdl=on)
 
 
 @triton.jit
-def _after_previous(PDL: tl.constexpr):
-    # With programmatic dependent launch: lets the next kernel launch now, and waits until the
-    # previous kernel has ended and its writes are seen. Called first: every kernel here reads
-    # what the previous wrote, or writes what it might read (a buffer freed and reused).
+def _wait_for_previous(PDL: tl.constexpr):
+    # With programmatic dependent launch: waits until the previous kernel has ended and its writes
+    # are seen. Called first: every kernel here reads what the previous one wrote, or writes what
+    # it might still read (a buffer freed and reused). A kernel lets the next one launch
+    # (gdc_launch_dependents) once its main loop is done, or else when it ends; the next one's
+    # programs, waiting here, would take the multiprocessors from its loop if let in sooner.
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
 
 
@@ -142,7 +143,7 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, KW, x_row,
     #
     # Program (tile, j, t): BN rows of output j (picked), or t (ROUTED: a program summing the
     # picks would read their weights one after another, too few bytes in flight).
-    _after_previous(PDL)
+    _wait_for_previous(PDL)
     tile = tl.program_id(0)
     n = tile * BN + tl.arange(0, BN)
     j = tl.program_id(1)
@@ -209,6 +210,9 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, KW, x_row,
             part = acc + sums * (s_g * 2.0 ** 64) + o_g * a_sums[None, :]
         acc = part
         a_total += a_sum
+    # the next kernel may launch: this one has its stores left
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     y = tl.sum(acc, axis=1)
     if PACK == 4:
         y = y * 2.0 ** 64 - 128.0 * tl.sum(a_total, axis=0)
@@ -226,7 +230,7 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, KW, x_row,
 @triton.jit
 def _add_rows(rows, res, out, N, ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     # out = the sum of rows (ROWS, N) in row order, plus res: a routed product's picks
-    _after_previous(PDL)
+    _wait_for_previous(PDL)
     n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     y = tl.zeros([BLOCK], tl.float32)
     for row in tl.static_range(ROWS):
@@ -365,7 +369,7 @@ def _attention(qkv, cache_k, cache_v, pos, cos, sin, q_norm, k_norm, partial, ls
     # partial output and its log-sum-exp for _merge. The split whose share holds p first writes the
     # new key (normalised and rotated) and value there; no other program reads position p.
     # row, kv head, split
-    _after_previous(PDL)
+    _wait_for_previous(PDL)
     r, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g = tl.arange(0, G)
     d = tl.arange(0, D)
@@ -412,6 +416,9 @@ def _attention(qkv, cache_k, cache_v, pos, cos, sin, q_norm, k_norm, partial, ls
         total = total * alpha + tl.sum(e, axis=1)
         acc = acc * alpha[:, None] + tl.dot(e.to(vt.dtype), vt, input_precision="ieee")
         m = m_new
+    # the next kernel may launch: this one has its stores left
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     # index into (rows, heads, SPLITS)
     out = (r * H + h * GROUP + g) * SPLITS + s
     normalised = acc / tl.where(total > 0, total, 1.0)[:, None]
@@ -425,7 +432,7 @@ def _attention(qkv, cache_k, cache_v, pos, cos, sin, q_norm, k_norm, partial, ls
 def _merge(partial, lse, out, HEAD_DIM: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
            PDL: tl.constexpr):
     # One (row, head): the splits' outputs weighted by exp(lse) over their sum, which is exact
-    _after_previous(PDL)
+    _wait_for_previous(PDL)
     i = tl.program_id(0)
     s = tl.arange(0, SPLITS)
     d = tl.arange(0, D)
