@@ -80,8 +80,8 @@ class Conversation:
 
 
 def read_turn(interactive: bool) -> str:
-    """The next line: typed after a `> ` prompt (readline's editing, where Python has it), or
-    read from a pipe; "" at the end of the input."""
+    """The next line, without its line ending (a Windows file's too): typed after a `> ` prompt
+    (readline's editing, where Python has it), or read from a pipe; "" at the end of the input."""
     try:
         if interactive:
             line = input("> ")
@@ -92,7 +92,7 @@ def read_turn(interactive: bool) -> str:
         return ""
     except UnicodeError:
         raise UserError("that line is not UTF-8 text: type it again") from None
-    return line.rstrip("\n")
+    return line.rstrip("\r\n")
 
 
 def converse(argv) -> None:

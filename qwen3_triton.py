@@ -6,9 +6,9 @@ launch gap and a ramp-up, even in a CUDA graph). So each product here is one mat
 with its neighbours fused in: the RMSNorm before it, the SiLU gate, int8 or int4 dequantisation, the
 residual after it, and for MoE the router's picks and weights. Attention is one split-KV kernel for
 one query a row, with the q/k norms, RoPE and the cache write fused in, and a merge. On Hopper GPUs
-each kernel launches while the one before it finishes (programmatic dependent launch). Nothing here is
-needed: generate.py runs PyTorch's ops where this file, or Triton, is missing; the tests hold every
-kernel to model.py's ops.
+each kernel launches while the one before it finishes (programmatic dependent launch). Nothing here
+is needed: generate.py runs PyTorch's ops where this file, or Triton, is missing; the tests hold
+every kernel to model.py's ops.
 """
 import torch
 import triton

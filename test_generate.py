@@ -1339,7 +1339,7 @@ def test_the_python_api_refuses_bad_arguments_naming_them(tiny):
     for messages in (123, "hello", [["user", "hi"]]):
         with pytest.raises(UserError, match=re.escape(f"messages {messages!r}: a list of dicts")):
             tokenizer.chat(messages)
-    for ids in ([-1], [1.0], "hi"):
+    for ids in ([-1], [1.0], "hi", 5):
         message = f"{ids!r}: decode takes a list of token ids"
         with pytest.raises(UserError, match=re.escape(message)):
             tokenizer.decode(ids)
@@ -2911,6 +2911,13 @@ def test_chat_through_a_pipe(tiny):
     assert len(refused) == 1 and "over the cache length (96)" in refused[0], stderr
     assert sum("starts over from the system message" in line for line in stderr) == 1, stderr
     assert not any("Traceback" in line for line in stderr)
+
+
+def test_chat_reads_turns_without_their_line_endings(monkeypatch):
+    import chat
+    stdin = io.TextIOWrapper(io.BytesIO(b"hello\r\nthere\n\r\n"))
+    monkeypatch.setattr(sys, "stdin", stdin)
+    assert [chat.read_turn(interactive=False) for _ in range(4)] == ["hello", "there", "", ""]
 
 
 @needs_cuda
