@@ -206,15 +206,16 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, KW, x_row,
             g = k0 // GW + tl.arange(0, BK // GW)
             at = (expert * N + n[:, None]) * (K // GROUP) + g[None, :]
             g_mask = (n[:, None] < N) & (g[None, :] < K // GROUP)
-            s_g = tl.load(scale + at, mask=g_mask, other=0.0).to(tl.float32)
-            o_g = tl.load(offset + at, mask=g_mask, other=0.0).to(tl.float32)
-            part = acc + sums * (s_g * 2.0 ** 64) + o_g * a_sums[None, :]
+            group_scale = tl.load(scale + at, mask=g_mask, other=0.0).to(tl.float32)
+            group_offset = tl.load(offset + at, mask=g_mask, other=0.0).to(tl.float32)
+            part = acc + sums * (group_scale * 2.0 ** 64) + group_offset * a_sums[None, :]
         acc = part
         a_total += a_sum
     # the next kernel may launch: this one has its stores left
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     y = tl.sum(acc, axis=1)
+    # int8: back from 2^-64, less the bias of its u = q + 128
     if PACK == 4:
         y = y * 2.0 ** 64 - 128.0 * tl.sum(a_total, axis=0)
     if NORM:
