@@ -137,19 +137,27 @@ def best_of(times: dict, shapes: list, configs: list) -> tuple[dict, float]:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--store", choices=list(BYTES), default="int4")
-    ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated")
-    ap.add_argument("--compile-only", nargs=2, type=int, metavar=("WORKER", "COUNT"))
-    ap.add_argument("--out", help="every time, as JSON")
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--store", choices=list(BYTES), default="int4",
+                    help="how the weights are stored (default int4)")
+    ap.add_argument("--kinds", default=",".join(KINDS),
+                    help=f"comma-separated, of {', '.join(KINDS)} (default: all)")
+    ap.add_argument("--compile-only", nargs=2, type=int, metavar=("WORKER", "COUNT"),
+                    help="compile this worker's share of the grid (0 <= WORKER < COUNT), no timing")
+    ap.add_argument("--out", help="also write every time to this new file, as JSON")
     a = ap.parse_args()
-    if fast is None or not torch.cuda.is_available():
-        sys.exit("error: the sweep needs a CUDA GPU, Triton and qwen3_triton.py")
+    kinds = a.kinds.split(",")
+    if not set(kinds) <= set(KINDS):
+        ap.error(f"--kinds {a.kinds}: each of {', '.join(KINDS)}")
+    if a.compile_only and not 0 <= a.compile_only[0] < a.compile_only[1]:
+        ap.error("--compile-only WORKER COUNT: 0 <= WORKER < COUNT")
     if a.out and pathlib.Path(a.out).exists():
         ap.error(f"--out {a.out} exists: name a new file")
+    if fast is None or not torch.cuda.is_available():
+        sys.exit("error: the sweep needs a CUDA GPU, Triton and qwen3_triton.py")
     configs = grid(a.store)
     now = dict(fast.GEMV_CONFIGS)
-    kinds = a.kinds.split(",")
     if a.compile_only:
         worker, count = a.compile_only
         jobs = [(kind, config) for kind in kinds for config in configs]
