@@ -318,8 +318,8 @@ class Generator:
         check_count("max_new", max_new)
         check_count("check_every", check_every)
         vocab = self.model.args.vocab_size
-        refusal = f"stop_ids must be a set of token ids in [0, {vocab}), not {stop_ids!r}"
-        require(token_ids(stop_ids, vocab), refusal)
+        stops = isinstance(stop_ids, (set, frozenset, list, tuple)) and token_ids(stop_ids, vocab)
+        require(stops, f"stop_ids must be a set of token ids in [0, {vocab}), not {stop_ids!r}")
         check_count("start", start, least=0)
         longest = start + max(map(len, prompts))  # where the longest prompt ends
         require(longest + max_new <= self.capacity, f"the prompt ({counted(longest, 'token')}) + "
@@ -376,9 +376,8 @@ class Generator:
 
 
 def token_ids(ids, vocab: int) -> bool:
-    """Whether `ids` is a list, tuple or set of token ids of a vocabulary of `vocab`."""
-    listed = isinstance(ids, (list, tuple, set, frozenset))
-    return listed and all(type(token) is int and 0 <= token < vocab for token in ids)
+    """Whether every one of `ids` is a token id of a vocabulary of `vocab`."""
+    return all(type(token) is int and 0 <= token < vocab for token in ids)
 
 
 def check_count(name: str, value, least: int = 1) -> None:
@@ -679,3 +678,5 @@ def run(argv) -> None:
 
 if __name__ == "__main__":
     main()
+    # Under torchrun a rank that succeeded ends here (tp.exit_now says why)
+    tp and tp.exit_now()
