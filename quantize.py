@@ -13,6 +13,7 @@ the fast path's products. A quantized checkpoint's config.json says "quantizatio
 "int4" with its "group_size", and generate.py swaps these modules in before loading it. Optional:
 without this file, bf16 conversion and generation work as before.
 """
+import functools
 import pathlib
 import sys
 
@@ -66,18 +67,31 @@ def quantize(name: str, weight: Tensor, group_size: int | None) -> dict[str, Ten
 
 def dequantized(module: nn.Module, name: str, dtype) -> Tensor:
     """The weight (..., n_out, n_in) that `module` holds quantized as `name` and its scale (and
-    offset), in dtype: one expression of the stored tensors, which inductor fuses into one kernel
-    (no full-precision copy of the unpacked integers)."""
+    offset), in dtype: the only full-precision tensor made."""
     q = getattr(module, name)
     scale = getattr(module, f"{name}_scale")[..., None].to(dtype)
-    # In place: a MoE layer's experts are gigabytes at full precision
-    if q.dtype == torch.int8:
-        return q.to(dtype).mul_(scale)
+    if q.dtype == torch.int8:  # int8 times bf16 is bf16, in one pass
+        return q * scale
     offset = getattr(module, f"{name}_offset")[..., None].to(dtype)
+    # On CUDA one pass over the weight, which inductor writes at the first call: PyTorch's own ops
+    # make a prefill's int4 twice as slow as int8's. Under torch.compile inductor fuses it anyway.
+    if q.is_cuda and not torch.compiler.is_compiling():
+        return compiled_int4_weight()(q, scale, offset)
+    return int4_weight(q, scale, offset)
+
+
+def int4_weight(q: Tensor, scale: Tensor, offset: Tensor) -> Tensor:
+    """The weight (..., n_out, n_in) of int4 q (..., n_out, n_in / 2), scale and offset (...,
+    n_out, groups, 1): offset + q * scale."""
     # (..., n_out, groups, group_size): byte j's low nibble is column 2j, its high one 2j + 1
     groups = torch.stack((q & 15, q >> 4), -1).flatten(-2).unflatten(-1, (scale.shape[-2], -1))
-    # offset + q * scale in one pass from the integers, their only full-precision copy
     return torch.addcmul(offset, groups, scale).flatten(-2)
+
+
+@functools.cache
+def compiled_int4_weight():
+    """int4_weight compiled, for any shape: here alone torch._dynamo is imported (seconds)."""
+    return torch.compile(int4_weight, dynamic=True)
 
 
 def add_buffers(module: nn.Module, name: str, shape, group_size: int | None) -> None:
@@ -89,24 +103,11 @@ def add_buffers(module: nn.Module, name: str, shape, group_size: int | None) -> 
         module.register_buffer(stored, torch.empty(tensor.shape, dtype=tensor.dtype))
 
 
-class WeightOnlyInt8Linear(nn.Module):
-    """A bias-free linear layer whose weight (n_out, n_in) is int8, with a scale per output row."""
+class QuantizedLinear(nn.Module):
+    """A bias-free linear layer whose weight (n_out, n_in) is quantized as quantize stores it: int8
+    with group_size None, else int4."""
 
-    def __init__(self, n_in: int, n_out: int):
-        super().__init__()
-        add_buffers(self, "weight", (n_out, n_in), None)
-
-    def forward(self, x: Tensor) -> Tensor:
-        # The int8 cast inside the product's expression: inductor fuses it into the product's loads
-        # and never writes a full-precision copy of the weight.
-        return F.linear(x, self.weight.to(x.dtype)) * self.weight_scale
-
-
-class WeightOnlyInt4Linear(nn.Module):
-    """A bias-free linear layer whose weight (n_out, n_in) is int4, packed as quantize_int4 packs
-    it, with a scale and an offset (n_out, n_in / group_size) per group of input columns."""
-
-    def __init__(self, n_in: int, n_out: int, group_size: int):
+    def __init__(self, n_in: int, n_out: int, group_size: int | None):
         super().__init__()
         add_buffers(self, "weight", (n_out, n_in), group_size)
 
@@ -168,14 +169,8 @@ def swap_in(model: Transformer, config: dict) -> None:
             # A tied lm_head is the embedding
             if quantized and child.weight is not model.embed_tokens.weight:
                 check(where, child.in_features)
-                setattr(parent, name, linear(child.in_features, child.out_features, group_size))
-
-
-def linear(n_in: int, n_out: int, group_size: int | None) -> nn.Module:
-    """A quantized linear layer, uninitialised: int8 with group_size None, else int4."""
-    if group_size is None:
-        return WeightOnlyInt8Linear(n_in, n_out)
-    return WeightOnlyInt4Linear(n_in, n_out, group_size)
+                layer = QuantizedLinear(child.in_features, child.out_features, group_size)
+                setattr(parent, name, layer)
 
 
 def quantized_config(config: dict, mode: str, group_size: int = GROUP_SIZE) -> dict:

@@ -92,10 +92,11 @@ def dependent_launch(tensor: Tensor) -> dict:
 @triton.jit
 def _wait_for_previous(PDL: tl.constexpr):
     # With programmatic dependent launch: waits until the previous kernel has ended and its writes
-    # are seen. Called first: every kernel here reads what the previous one wrote, or writes what
-    # it might still read (a buffer freed and reused). A kernel lets the next one launch
-    # (gdc_launch_dependents) once its main loop is done, or else when it ends; the next one's
-    # programs, waiting here, would take the multiprocessors from its loop if let in sooner.
+    # are seen. Called before the first read of anything a kernel writes (_gemv reads weights
+    # first), and before any write: the previous kernel might still read a buffer freed and
+    # reused. A kernel lets the next one launch (gdc_launch_dependents) once its main loop is
+    # done, or else when it ends; the next one's programs, waiting here, would take the
+    # multiprocessors from its loop if let in sooner.
     if PDL:
         tl.extra.cuda.gdc_wait()
 
@@ -124,6 +125,14 @@ def _route(router, EXPERTS: tl.constexpr, TOP_K: tl.constexpr, NORM_TOPK: tl.con
 
 
 @triton.jit
+def _weight_block(w_rows, n, k0, N, KW, BK: tl.constexpr):
+    # Words k0 ... k0 + BK - 1 of weight rows n, 0 past the ends: (BN, BK)
+    words = k0 + tl.arange(0, BK)
+    mask = (n[:, None] < N) & (words[None, :] < KW)
+    return tl.load(w_rows + n[:, None] * KW + words[None, :], mask=mask, other=0)
+
+
+@triton.jit
 def _gemv(x, weight, scale, offset, norm, res, out, router, N, KW, x_row,
           eps: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
           SCALE: tl.constexpr, RES: tl.constexpr, EXPERTS: tl.constexpr, TOP_K: tl.constexpr,
@@ -144,11 +153,8 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, KW, x_row,
     #
     # Program (tile, j, t): BN rows of output j (picked), or t (ROUTED: a program summing the
     # picks would read their weights one after another, too few bytes in flight).
-    _wait_for_previous(PDL)
-    tile = tl.program_id(0)
-    n = tile * BN + tl.arange(0, BN)
-    j = tl.program_id(1)
-    t = tl.program_id(2)
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    j, t = tl.program_id(1), tl.program_id(2)
     # KW weight words per row; GW words per int4 group, else 1; B bits a field
     K = KW * PACK
     GW: tl.constexpr = max(GROUP // PACK, 1)
@@ -156,19 +162,22 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, KW, x_row,
     # the input row this program reads, and its pick
     xt = x + t * x_row
     expert = 0
-    if EXPERTS:
+    if EXPERTS:  # the router's logits are the previous kernel's
+        _wait_for_previous(PDL)
         ids, weights = _route(router, EXPERTS, TOP_K, NORM_TOPK, EB, KB)
         pick = tl.arange(0, KB) == j + t
         expert = tl.sum(tl.where(pick, ids, 0), axis=0)
     w_rows = weight + expert * N * KW
+    # The first block of weights is read before the wait (no kernel writes weights): its loads are
+    # in flight while the previous kernel ends. Each later block's are, during the block before.
+    w_words = _weight_block(w_rows, n, 0, N, KW, BK)
+    _wait_for_previous(PDL)
     acc = tl.zeros([BN, BK // GW], tl.float32)
     # int8: the sum of a, for its bias of 128
     a_total = tl.zeros([BK], tl.float32)
     squares = tl.zeros([BK], tl.float32)
     for k0 in range(0, KW, BK):
         words = k0 + tl.arange(0, BK)
-        w_mask = (n[:, None] < N) & (words[None, :] < KW)
-        w_words = tl.load(w_rows + n[:, None] * KW + words[None, :], mask=w_mask, other=0)
         # int4: the block's products apart, to be scaled by group
         part = acc
         if GROUP:
@@ -211,6 +220,7 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, KW, x_row,
             part = acc + sums * (group_scale * 2.0 ** 64) + group_offset * a_sums[None, :]
         acc = part
         a_total += a_sum
+        w_words = _weight_block(w_rows, n, k0 + BK, N, KW, BK)
     # the next kernel may launch: this one has its stores left
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()

@@ -1141,7 +1141,7 @@ def test_int4_modules_equal_their_dequantized_weights(tmp_path, moe):
                 scale, offset = state[f"{name}_scale"], state[f"{name}_offset"]
                 assert scale.shape[-1] * group == 2 * weight.shape[-1], name
                 plain.get_parameter(name).copy_(int4_dequantized(weight, scale, offset))
-        quantized = [m for m in q4.modules() if isinstance(m, Q.WeightOnlyInt4Linear)]
+        quantized = [m for m in q4.modules() if isinstance(m, Q.QuantizedLinear)]
         # qkv, o, gate-up and down of 2 layers (MoE: 1 dense) and the untied lm_head
         assert len(quantized) == (7 if moe else 9)
         assert any(isinstance(m, Q.QuantizedExperts) for m in q4.modules()) == (moe is not None)
@@ -2307,6 +2307,7 @@ for prompts in ([[5, 3, 9]], [[5, 3, 9], [7, 1, 2, 6, 30, 4]]):
         runs.append(gen.generate(prompts, max_new=32, stop_ids=set())[0])
 rank = split.rank if split else 0
 torch.save(dict(logits=torch.cat(logits), runs=runs), f"{{out}}/{{rank}}.pt")
+tp.exit_now()  # as generate.py ends: past gloo's teardown
 """
 
 
@@ -2544,7 +2545,7 @@ def test_kernel_gemv_matches_reference_ops(device, dtype, tol, N, K):
 def quantized_linear(weight, group_size):
     """quantize.py's linear layer holding `weight` (N, K): int8 with group_size None, else
     int4."""
-    layer = Q.linear(weight.shape[1], weight.shape[0], group_size)
+    layer = Q.QuantizedLinear(weight.shape[1], weight.shape[0], group_size)
     for name, tensor in Q.quantize("weight", weight, group_size).items():
         setattr(layer, name, tensor)
     return layer
