@@ -70,28 +70,34 @@ def dequantized(module: nn.Module, name: str, dtype) -> Tensor:
     offset), in dtype: the only full-precision tensor made."""
     q = getattr(module, name)
     scale = getattr(module, f"{name}_scale")[..., None].to(dtype)
-    if q.dtype == torch.int8:  # int8 times bf16 is bf16, in one pass
-        return q * scale
-    offset = getattr(module, f"{name}_offset")[..., None].to(dtype)
-    # On CUDA one pass over the weight, which inductor writes at the first call: PyTorch's own ops
-    # make a prefill's int4 twice as slow as int8's. Under torch.compile inductor fuses it anyway.
+    offset = getattr(module, f"{name}_offset", None)
+    if offset is not None:
+        offset = offset[..., None].to(dtype)
+    # On CUDA one pass over the weight, compiled at the first call: PyTorch's own ops take two or
+    # more, or one without vector loads (int8 times bf16). Under torch.compile inductor fuses it.
     if q.is_cuda and not torch.compiler.is_compiling():
-        return compiled_int4_weight()(q, scale, offset)
-    return int4_weight(q, scale, offset)
+        return compiled_weight_from()(q, scale, offset)
+    return weight_from(q, scale, offset)
 
 
-def int4_weight(q: Tensor, scale: Tensor, offset: Tensor) -> Tensor:
-    """The weight (..., n_out, n_in) of int4 q (..., n_out, n_in / 2), scale and offset (...,
-    n_out, groups, 1): offset + q * scale."""
-    # (..., n_out, groups, group_size): byte j's low nibble is column 2j, its high one 2j + 1
-    groups = torch.stack((q & 15, q >> 4), -1).flatten(-2).unflatten(-1, (scale.shape[-2], -1))
+def weight_from(q: Tensor, scale: Tensor, offset: Tensor | None) -> Tensor:
+    """The weight (..., n_out, n_in) of int8 q (..., n_out, n_in) and its scale (..., n_out, 1),
+    q * scale; or of int4 q (..., n_out, n_in / 2), scale and offset (..., n_out, groups, 1),
+    offset + q * scale."""
+    if offset is None:
+        return q * scale
+    # (..., n_out, n_in / 2, 2): byte j's low nibble is column 2j, its high one 2j + 1
+    shifts = torch.arange(0, 8, 4, dtype=torch.uint8, device=q.device)
+    nibbles = (q[..., None] >> shifts) & 15
+    # (..., n_out, groups, group_size)
+    groups = nibbles.flatten(-2).unflatten(-1, (scale.shape[-2], -1))
     return torch.addcmul(offset, groups, scale).flatten(-2)
 
 
 @functools.cache
-def compiled_int4_weight():
-    """int4_weight compiled, for any shape: here alone torch._dynamo is imported (seconds)."""
-    return torch.compile(int4_weight, dynamic=True)
+def compiled_weight_from():
+    """weight_from compiled, for any shape: here alone torch._dynamo is imported (seconds)."""
+    return torch.compile(weight_from, dynamic=True)
 
 
 def add_buffers(module: nn.Module, name: str, shape, group_size: int | None) -> None:

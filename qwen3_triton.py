@@ -42,7 +42,8 @@ def forward_one_token(model: Transformer, tokens: Tensor, positions: Tensor,
         if moe:
             router = product(weights(mlp.gate), x, norm=norm).view(-1)
             routing = dict(router=router, top_k=mlp.top_k, norm_topk_prob=mlp.norm_topk_prob)
-            gate_up_proj, down_proj = expert_weights(mlp.experts)
+            gate_up_proj = weights(mlp.experts, "gate_up_proj")
+            down_proj = weights(mlp.experts, "down_proj")
         else:
             routing = {}
             gate_up_proj, down_proj = weights(mlp.gate_up_proj), weights(mlp.down_proj)
@@ -57,11 +58,6 @@ def weights(module: torch.nn.Module, name: str = "weight") -> tuple:
     stores beside it, else None: a scale, int8's per row (..., N) or int4's per group (..., N, K /
     group), and int4's offset per group."""
     return tuple(getattr(module, name + part, None) for part in ("", "_scale", "_offset"))
-
-
-def expert_weights(experts: torch.nn.Module) -> list[tuple]:
-    """model.Experts' gate_up_proj and down_proj, as `weights` gives them."""
-    return [weights(experts, name) for name in ("gate_up_proj", "down_proj")]
 
 
 def product(proj: tuple, x: Tensor, norm: torch.nn.RMSNorm | None = None,
@@ -161,17 +157,19 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, KW, x_row,
     B: tl.constexpr = 32 // PACK
     # the input row this program reads, and its pick
     xt = x + t * x_row
+    # Dense float and int8 products read their first block of weights before the wait (no kernel
+    # writes weights): its loads are in flight while the previous kernel ends. MoE's wait first,
+    # for the router's logits, the previous kernel's; int4's too, measured faster so.
+    late: tl.constexpr = not (EXPERTS or GROUP)
+    _wait_for_previous(PDL and not late)
     expert = 0
-    if EXPERTS:  # the router's logits are the previous kernel's
-        _wait_for_previous(PDL)
+    if EXPERTS:
         ids, weights = _route(router, EXPERTS, TOP_K, NORM_TOPK, EB, KB)
         pick = tl.arange(0, KB) == j + t
         expert = tl.sum(tl.where(pick, ids, 0), axis=0)
     w_rows = weight + expert * N * KW
-    # The first block of weights is read before the wait (no kernel writes weights): its loads are
-    # in flight while the previous kernel ends. Each later block's are, during the block before.
     w_words = _weight_block(w_rows, n, 0, N, KW, BK)
-    _wait_for_previous(PDL)
+    _wait_for_previous(PDL and late)
     acc = tl.zeros([BN, BK // GW], tl.float32)
     # int8: the sum of a, for its bias of 128
     a_total = tl.zeros([BK], tl.float32)
