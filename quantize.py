@@ -206,7 +206,7 @@ def quantizing(config: dict, tensors) -> tuple:
 
 
 def main(argv=None):
-    parser = convert.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = convert.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True,
                         help="a directory that convert_hf_checkpoint.py wrote")
     parser.add_argument("--mode", choices=MODES, required=True)
