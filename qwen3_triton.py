@@ -157,19 +157,17 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, KW, x_row,
     B: tl.constexpr = 32 // PACK
     # the input row this program reads, and its pick
     xt = x + t * x_row
-    # Dense float and int8 products read their first block of weights before the wait (no kernel
-    # writes weights): its loads are in flight while the previous kernel ends. MoE's wait first,
-    # for the router's logits, the previous kernel's; int4's too, measured faster so.
-    late: tl.constexpr = not (EXPERTS or GROUP)
-    _wait_for_previous(PDL and not late)
     expert = 0
-    if EXPERTS:
+    if EXPERTS:  # the router's logits are the previous kernel's
+        _wait_for_previous(PDL)
         ids, weights = _route(router, EXPERTS, TOP_K, NORM_TOPK, EB, KB)
         pick = tl.arange(0, KB) == j + t
         expert = tl.sum(tl.where(pick, ids, 0), axis=0)
     w_rows = weight + expert * N * KW
+    # The first block of weights is read before the wait (no kernel writes weights): its loads are
+    # in flight while the previous kernel ends. Each later block's are, during the block before.
     w_words = _weight_block(w_rows, n, 0, N, KW, BK)
-    _wait_for_previous(PDL and late)
+    _wait_for_previous(PDL)
     acc = tl.zeros([BN, BK // GW], tl.float32)
     # int8: the sum of a, for its bias of 128
     a_total = tl.zeros([BK], tl.float32)
