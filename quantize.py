@@ -69,35 +69,39 @@ def dequantized(module: nn.Module, name: str, dtype) -> Tensor:
     """The weight (..., n_out, n_in) that `module` holds quantized as `name` and its scale (and
     offset), in dtype: the only full-precision tensor made."""
     q = getattr(module, name)
-    scale = getattr(module, f"{name}_scale")[..., None].to(dtype)
+    scale = getattr(module, f"{name}_scale").to(dtype)
     offset = getattr(module, f"{name}_offset", None)
+    shape = (*q.shape[:-1], -1)
     if offset is not None:
-        offset = offset[..., None].to(dtype)
-    # On CUDA one pass over the weight, compiled at the first call: PyTorch's own ops take two or
-    # more, or one without vector loads (int8 times bf16). Under torch.compile inductor fuses it.
+        # int4: a row a group, (rows, group_size / 2), with its scale and offset (rows, 1), so that
+        # the compiled weight_from below divides its indices by constants alone
+        q = q.unflatten(-1, (scale.shape[-1], -1)).flatten(0, -2)
+        offset = offset.to(dtype).reshape(-1, 1)
+    # (..., 1): int8's scale is a row's
+    scale = scale.reshape(*q.shape[:-1], 1)
+    # On CUDA one pass over the weight, compiled at the first call (recompiled with dynamic sizes
+    # once a second shape comes): PyTorch's own ops take two or more, or one without vector loads
+    # (int8 times bf16). Under torch.compile inductor fuses it.
     if q.is_cuda and not torch.compiler.is_compiling():
-        return compiled_weight_from()(q, scale, offset)
-    return weight_from(q, scale, offset)
+        return compiled_weight_from()(q, scale, offset).reshape(shape)
+    return weight_from(q, scale, offset).reshape(shape)
 
 
 def weight_from(q: Tensor, scale: Tensor, offset: Tensor | None) -> Tensor:
-    """The weight (..., n_out, n_in) of int8 q (..., n_out, n_in) and its scale (..., n_out, 1),
-    q * scale; or of int4 q (..., n_out, n_in / 2), scale and offset (..., n_out, groups, 1),
-    offset + q * scale."""
+    """The weight of int8 q (rows, n_in) and its scale (rows, 1), q * scale; or of int4 q (rows,
+    n_in / 2) with its scale and offset (rows, 1), offset + q * scale."""
     if offset is None:
         return q * scale
-    # (..., n_out, n_in / 2, 2): byte j's low nibble is column 2j, its high one 2j + 1
+    # (rows, n_in / 2, 2): byte j's low nibble is column 2j, its high one 2j + 1
     shifts = torch.arange(0, 8, 4, dtype=torch.uint8, device=q.device)
     nibbles = (q[..., None] >> shifts) & 15
-    # (..., n_out, groups, group_size)
-    groups = nibbles.flatten(-2).unflatten(-1, (scale.shape[-2], -1))
-    return torch.addcmul(offset, groups, scale).flatten(-2)
+    return torch.addcmul(offset, nibbles.flatten(-2), scale)
 
 
 @functools.cache
 def compiled_weight_from():
-    """weight_from compiled, for any shape: here alone torch._dynamo is imported (seconds)."""
-    return torch.compile(weight_from, dynamic=True)
+    """weight_from compiled: here alone torch._dynamo is imported (seconds)."""
+    return torch.compile(weight_from)
 
 
 def add_buffers(module: nn.Module, name: str, shape, group_size: int | None) -> None:
