@@ -126,10 +126,8 @@ def bucket(length: int, capacity: int) -> int:
     bucketed prefill pads its prompts to it. Below 2,048 tokens doubling keeps the graphs few;
     above, a step of 256 keeps the padding's work small (see bench/RESULTS.md), at a graph per 256
     positions, each captured when first used."""
-    if length > 2048:
-        step = 256
-    else:
-        step = max(64, 1 << (length - 1).bit_length())  # the next power of two
+    power_of_two = max(64, 1 << (length - 1).bit_length())  # the next one
+    step = 256 if length > 2048 else power_of_two
     return min(capacity, math.ceil(length / step) * step)
 
 
@@ -318,8 +316,8 @@ class Generator:
         check_count("max_new", max_new)
         check_count("check_every", check_every)
         vocab = self.model.args.vocab_size
-        stops = isinstance(stop_ids, (set, frozenset, list, tuple)) and token_ids(stop_ids, vocab)
-        require(stops, f"stop_ids must be a set of token ids in [0, {vocab}), not {stop_ids!r}")
+        require(token_ids(stop_ids, vocab),
+                f"stop_ids must be a set of token ids in [0, {vocab}), not {stop_ids!r}")
         check_count("start", start, least=0)
         longest = start + max(map(len, prompts))  # where the longest prompt ends
         require(longest + max_new <= self.capacity, f"the prompt ({counted(longest, 'token')}) + "
@@ -376,8 +374,9 @@ class Generator:
 
 
 def token_ids(ids, vocab: int) -> bool:
-    """Whether every one of `ids` is a token id of a vocabulary of `vocab`."""
-    return all(type(token) is int and 0 <= token < vocab for token in ids)
+    """Whether `ids` is a list, tuple or set of token ids of a vocabulary of `vocab`."""
+    listed = isinstance(ids, (list, tuple, set, frozenset))
+    return listed and all(type(token) is int and 0 <= token < vocab for token in ids)
 
 
 def check_count(name: str, value, least: int = 1) -> None:
@@ -607,6 +606,8 @@ def parse_args(argv=None, description: str = __doc__, prompts: bool = True) -> a
     names = [spec.name for spec in dataclasses.fields(SamplingParams)]
     args.sampling = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     SamplingParams(**args.sampling)
+    # The vocabulary's end is checked once it is loaded
+    require(all(token >= 0 for token in args.stop_ids), "--stop-ids: token ids are 0 or more")
     in_range = args.seed is None or 0 <= args.seed < 1 << 64
     require(in_range, f"--seed {args.seed}: must be in [0, 2^64)")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):

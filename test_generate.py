@@ -1339,7 +1339,7 @@ def test_the_python_api_refuses_bad_arguments_naming_them(tiny):
     for messages in (123, "hello", [["user", "hi"]]):
         with pytest.raises(UserError, match=re.escape(f"messages {messages!r}: a list of dicts")):
             tokenizer.chat(messages)
-    for ids in ([-1], [1.0], "hi"):
+    for ids in ([-1], [1.0], "hi", 5, None):
         message = f"{ids!r}: decode takes a list of token ids"
         with pytest.raises(UserError, match=re.escape(message)):
             tokenizer.decode(ids)
@@ -1911,6 +1911,14 @@ def test_cli_prompt_too_long_prints_no_stray_line(tiny):
     assert r.stdout == ""
 
 
+def test_negative_stop_ids_are_refused_before_loading(tiny, monkeypatch):
+    """A negative --stop-ids is refused from the flags alone, before the checkpoint loads."""
+    monkeypatch.setattr(G, "load", lambda *args, **kwargs: pytest.fail("loaded"))
+    with pytest.raises(SystemExit) as e:
+        G.main(["--device", "cpu", "--checkpoint", tiny, "--prompt", "hi", "--stop-ids", "-5"])
+    assert e.value.code == "error: --stop-ids: token ids are 0 or more"
+
+
 @pytest.mark.parametrize("args,message", [
     (["--temperature", "-1"], "temperature -1.0: must be 0 (greedy) or at least 0.001"),
     (["--temperature", "nan"], "temperature nan: must be 0 (greedy) or at least 0.001"),
@@ -1934,7 +1942,7 @@ def test_cli_prompt_too_long_prints_no_stray_line(tiny):
     (["--checkpoint", "/nonexistent"], "no converted checkpoint"),
     (["--system", "be brief"], "go with --chat"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
-    (["--stop-ids", "-5"], "stop_ids must be a set of token ids in [0, 512)"),
+    (["--stop-ids", "-5"], "--stop-ids: token ids are 0 or more"),
     (["--stop-ids", str(10 ** 30)], "stop_ids must be a set of token ids in [0, 512)"),
 ])
 def test_cli_bad_input_one_line(tiny, args, message):
@@ -2944,7 +2952,8 @@ def test_cuda_chat_one_text_in_every_mode_with_no_host_sync_in_a_step(checkpoint
 def test_chat_refuses_bad_flags_and_a_closed_stdin_before_any_turn(tiny):
     """Flags that would fail every turn, and a closed stdin: one line, exit 1, no turn taken."""
     chat_py = os.path.join(HERE, "chat.py")
-    for args, message in [(["--stop-ids", "-5"], "--stop-ids: ids in [0, 512)"),
+    for args, message in [(["--stop-ids", "-5"], "--stop-ids: token ids are 0 or more"),
+                          (["--stop-ids", "512"], "--stop-ids: ids in [0, 512)"),
                           (["--max-new-tokens", "64", "--cache-len", "64"],
                            "--max-new-tokens 64 leaves no room in the cache (64 positions)")]:
         r = cli("--device", "cpu", "--checkpoint", tiny, *args, stdin="hi\n", script=chat_py)
