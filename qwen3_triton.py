@@ -261,7 +261,7 @@ GEMV_CONFIGS = {
     ("gated", "int8"): dict(BN=16, BK=512, num_warps=8),
     ("plain", "int8"): dict(BN=8, BK=512, num_warps=4),
     # MoE gate-up, 30B-A3B's shapes
-    ("picked", "float"): dict(BN=16, BK=256, num_warps=1),
+    ("picked", "float"): dict(BN=8, BK=256, num_warps=1),
     # MoE down
     ("routed", "float"): dict(BN=4, BK=256, num_warps=1),
     ("picked", "int8"): dict(BN=16, BK=64, num_warps=2),
