@@ -126,7 +126,7 @@ def bucket(length: int, capacity: int) -> int:
     bucketed prefill pads its prompts to it. Below 2,048 tokens doubling keeps the graphs few;
     above, a step of 256 keeps the padding's work small (see bench/RESULTS.md), at a graph per 256
     positions, each captured when first used."""
-    power_of_two = max(64, 1 << (length - 1).bit_length())  # the next one
+    power_of_two = max(64, 1 << (length - 1).bit_length())  # the next, at least 64
     step = 256 if length > 2048 else power_of_two
     return min(capacity, math.ceil(length / step) * step)
 

@@ -77,7 +77,7 @@ def dequantized(module: nn.Module, name: str, dtype) -> Tensor:
         # the compiled weight_from below divides its indices by constants alone
         q = q.unflatten(-1, (scale.shape[-1], -1)).flatten(0, -2)
         offset = offset.to(dtype).reshape(-1, 1)
-    # (..., 1): int8's scale is a row's
+    # (..., rows, 1): a scale for each row of q, int8's output rows or int4's groups
     scale = scale.reshape(*q.shape[:-1], 1)
     # On CUDA one pass over the weight, compiled at the first call (recompiled with dynamic sizes
     # once a second shape comes): PyTorch's own ops take two or more, or one without vector loads
