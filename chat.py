@@ -88,7 +88,8 @@ def read_turn(interactive: bool) -> str:
         else:  # bytes: a line that is not UTF-8 is refused alone, the next ones still read
             line = sys.stdin.buffer.readline().decode()
         line.encode()  # a terminal's bytes that aren't UTF-8 come as lone surrogates
-    except EOFError:
+    except EOFError:  # Ctrl-D at the prompt: the shell's next prompt on a line of its own
+        print()
         return ""
     except UnicodeError:
         raise UserError("that line is not UTF-8 text: type it again") from None
@@ -100,8 +101,7 @@ def converse(argv) -> None:
     require(sys.stdin, "stdin is closed: give the turns a terminal or a pipe")
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    dtype = getattr(torch, args.dtype) if args.dtype else None
-    checkpoint = generate.load(args.checkpoint, args.device, dtype)
+    checkpoint = generate.load(args.checkpoint, args.device, args.dtype)
     sampling = dataclasses.replace(checkpoint.sampling, **args.sampling)
     capacity = args.cache_len or min(CACHE_LEN, checkpoint.model.args.max_position_embeddings)
     # Refused now, not at every turn

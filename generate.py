@@ -613,6 +613,7 @@ def parse_args(argv=None, description: str = __doc__, prompts: bool = True) -> a
     if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         raise UserError(f"unknown device {args.device!r}: use cpu, cuda or cuda:N")
     args.device = torch.device(args.device)
+    args.dtype = getattr(torch, args.dtype) if args.dtype else None
     if args.cuda_graph and args.device.type != "cuda":
         raise UserError("--cuda-graph needs a CUDA device (--device cuda): leave it out on the CPU")
     if (args.system or args.no_think) and not args.chat:
@@ -652,8 +653,7 @@ def run(argv) -> None:
     talks = split is None or split.rank == 0
     if talks and not sys.stderr.isatty():  # a terminal gets a progress line instead
         print(f"loading {args.checkpoint} ...", file=sys.stderr, flush=True)
-    dtype = getattr(torch, args.dtype) if args.dtype else None
-    checkpoint = load(args.checkpoint, split.device if split else args.device, dtype, split)
+    checkpoint = load(args.checkpoint, split.device if split else args.device, args.dtype, split)
     sampling = dataclasses.replace(checkpoint.sampling, **args.sampling)
     tokenizer = checkpoint.tokenizer
     if args.chat:

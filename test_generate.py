@@ -2929,6 +2929,19 @@ def test_chat_reads_turns_without_their_line_endings(monkeypatch):
     assert [chat.read_turn(interactive=False) for _ in range(4)] == ["hello", "there", "", ""]
 
 
+def test_chat_ends_a_terminal_line_at_ctrl_d(monkeypatch, capsys):
+    """Ctrl-D at the `> ` prompt ends the conversation with a newline, so that the shell's next
+    prompt starts a line of its own."""
+    import chat
+
+    def end_of_input(prompt):
+        print(prompt, end="")
+        raise EOFError
+    monkeypatch.setattr("builtins.input", end_of_input)
+    assert chat.read_turn(interactive=True) == ""
+    assert capsys.readouterr().out == "> \n"
+
+
 @needs_cuda
 @pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe"])
 def test_cuda_chat_one_text_in_every_mode_with_no_host_sync_in_a_step(checkpoint, request):
