@@ -2319,6 +2319,12 @@ tp.exit_now()  # as generate.py ends: past gloo's teardown
 """
 
 
+def torchrun_env(tmp_path) -> dict:
+    """The environment of a torchrun in a test: a thread a process, and TMPDIR the test's own
+    tmp_path, where torchrun makes its log folder (torchelastic_...) and leaves it."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
+
+
 def run_split(path, tmp_path, processes, kernels=False):
     """TP_SCRIPT's results on each of `processes` ranks (0: in one process, no torchrun)."""
     script = tmp_path / "tp_run.py"
@@ -2329,7 +2335,7 @@ def run_split(path, tmp_path, processes, kernels=False):
     if processes:
         command[1:1] = ["-m", "torch.distributed.run", "--standalone",
                         f"--nproc-per-node={processes}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = torchrun_env(tmp_path)
     if kernels:
         env["TRITON_INTERPRET"] = "1"
     r = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
@@ -2442,13 +2448,13 @@ def assert_reads_shares(path, mode, world, tp):
                 torch.equal(share, tensor) for share in shares), name
 
 
-def test_tensor_parallel_a_world_that_does_not_split_the_model_is_one_line(tiny):
+def test_tensor_parallel_a_world_that_does_not_split_the_model_is_one_line(tiny, tmp_path):
     """3 processes for 4 heads: one error line, from rank 0 (torchrun reports the failure too)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
                os.path.join(HERE, "generate.py"), "--device", "cpu", "--checkpoint", tiny,
                "--prompt", "hi"]
     r = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+                       env=torchrun_env(tmp_path))
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.returncode != 0 and errors == [
         "error: 3 processes can't split this model: use one of [1, 2, 4]"], r.stderr[-2000:]
@@ -2468,7 +2474,7 @@ def test_tensor_parallel_a_ranks_own_failure_reaches_its_stderr(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                str(script)]
     r = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+                       env=torchrun_env(tmp_path))
     assert r.returncode != 0 and "RuntimeError: rank 1 alone fails" in r.stderr, r.stderr[-2000:]
 
 
@@ -2481,14 +2487,14 @@ def test_the_converter_imports_no_generator_fast_path_or_tp():
     assert r.returncode == 0, r.stderr
 
 
-def test_tensor_parallel_cli_streams_from_rank_0_alone(tiny):
+def test_tensor_parallel_cli_streams_from_rank_0_alone(tiny, tmp_path):
     """torchrun --nproc-per-node 2 generate.py: the text once, the report once, as one process."""
     args = ["--device", "cpu", "--checkpoint", tiny, "--prompt", "hi", "--max-new-tokens", "12",
             "--temperature", "0"]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                os.path.join(HERE, "generate.py"), *args]
     r = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+                       env=torchrun_env(tmp_path))
     alone = cli(*args)
     assert r.returncode == 0 and r.stdout == alone.stdout, r.stderr[-2000:]
     assert r.stderr.count("new token") == 1 and r.stderr.count("loading") == 1, r.stderr
