@@ -167,7 +167,7 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, KW, x_row,
     # The first block of weights is read before the wait (no kernel writes weights): its loads are
     # in flight while the previous kernel ends. Each later block's are, during the block before.
     w_words = _weight_block(w_rows, n, 0, N, KW, BK)
-    _wait_for_previous(PDL)
+    _wait_for_previous(PDL and not EXPERTS)
     acc = tl.zeros([BN, BK // GW], tl.float32)
     # int8: the sum of a, for its bias of 128
     a_total = tl.zeros([BK], tl.float32)
