@@ -1111,6 +1111,19 @@ def test_int4_quantize_roundtrip():
     assert (error <= 0.6 * scale.float() + offset.float().abs() / 128).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_int4_dequantized_in_each_dtype(dtype):
+    """quantize.dequantized unpacks int4 as quantize_int4 documents it, in each dtype of a model
+    (it writes a byte's two weights as the halves of one integer)."""
+    torch.manual_seed(0)
+    layer = Q.QuantizedLinear(256, 6, 64)
+    for name, tensor in Q.quantize("weight", torch.randn(6, 256), 64).items():
+        getattr(layer, name).copy_(tensor)
+    want = int4_dequantized(layer.weight, layer.weight_scale, layer.weight_offset)
+    got = Q.dequantized(layer, "weight", dtype)
+    assert got.dtype == dtype and torch.equal(got, want.to(dtype))
+
+
 @pytest.mark.parametrize("moe", [None, INT4_MOE], ids=["dense", "moe"])
 def test_int4_modules_equal_their_dequantized_weights(tmp_path, moe):
     """quantize.py's int4 modules: the logits of the converter's int4 checkpoint (one pass, groups
