@@ -169,8 +169,8 @@ def swap_in(model: Transformer, config: dict) -> None:
     def check(name: str, columns: int) -> None:
         """Refuses the weight `name` unless its input columns are whole groups."""
         if group_size and columns % group_size:
-            raise convert.UserError(f"{name}: its {columns} input columns are no multiple of "
-                                    f"the group size {group_size}")
+            raise convert.UserError(f"{name}: its {columns} input columns are no multiple of the "
+                                    f"group size {group_size} (quantize.py --group-size sets it)")
     for path, parent in list(model.named_modules()):
         for name, child in parent.named_children():
             where = f"{path}.{name}".lstrip(".")
