@@ -2423,7 +2423,8 @@ def test_tensor_parallel_reads_each_rank_its_share(world, tmp_path):
     path = quantized_of(tmp_path / "ragged", "int4", moe={})
     split = tp.TensorParallel(1, 2, torch.device("cpu"))
     with pytest.raises(UserError, match=r"^layers.0.mlp.experts.down_proj: its 20 input columns "
-                                        r"are no multiple of the group size 8$"):
+                                        r"are no multiple of the group size 8 \(quantize.py "
+                                        r"--group-size sets it\)$"):
         G.load_model(path, split=split)
 
 
