@@ -166,6 +166,7 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, KW, x_row,
     w_rows = weight + expert * N * KW
     # The first block of weights is read before the wait (no kernel writes weights): its loads are
     # in flight while the previous kernel ends. Each later block's are, during the block before.
+    # A MoE product has waited already, for the router's logits.
     w_words = _weight_block(w_rows, n, 0, N, KW, BK)
     _wait_for_previous(PDL and not EXPERTS)
     acc = tl.zeros([BN, BK // GW], tl.float32)
