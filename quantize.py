@@ -93,9 +93,10 @@ def weight_from(q: Tensor, scale: Tensor, offset: Tensor | None) -> Tensor:
     if offset is None:
         return q * scale
     # Byte j's low nibble is column 2j, its high one 2j + 1: their weights (rows, n_in / 2) are
-    # packed as the two halves of an integer (the low one first in memory) and viewed as floats,
-    # so that a compiled pass reads each byte once and writes its two weights at once. Indexed by
-    # column instead, it reads each byte twice, in single bytes: several times slower.
+    # packed as the two halves of an integer (the low one first in memory: little-endian, as every
+    # machine PyTorch runs on) and viewed as floats, so that a compiled pass reads each byte once
+    # and writes its two weights at once. Indexed by column instead, it reads each byte twice, in
+    # single bytes: several times slower.
     bits = 8 * scale.element_size()
     # integer types of the floats' size and of twice it: int16 and int32 for bf16
     one, two = (getattr(torch, f"int{size}") for size in (bits, 2 * bits))
