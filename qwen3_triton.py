@@ -348,9 +348,10 @@ def gemv_output(x, weight, scale=None, norm=None, eps=0.0, gated=False, residual
 
 
 @triton.jit
-def _norm_rope(x, rows, row_mask, weight, cos, sin, eps, HEAD_DIM: tl.constexpr, D: tl.constexpr):
-    # RMSNorm over each row's head_dim, times weight, then RoPE in the split-halves layout:
-    # model.py's q_norm / k_norm and apply_rope, in fp32.
+def _norm_rope(x, rows, row_mask, weights, cos, sin, eps, HEAD_DIM: tl.constexpr,
+               D: tl.constexpr):
+    # RMSNorm over each row's head_dim, times its row's norm weights (a pointer a row), then RoPE
+    # in the split-halves layout: model.py's q_norm / k_norm and apply_rope, in fp32.
     d = tl.arange(0, D)
     half = HEAD_DIM // 2
     # The partner of each dimension in rotate_half
@@ -358,13 +359,13 @@ def _norm_rope(x, rows, row_mask, weight, cos, sin, eps, HEAD_DIM: tl.constexpr,
     mask = row_mask[:, None] & (d[None, :] < HEAD_DIM)
     xd = tl.load(x + rows[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
     xp = tl.load(x + rows[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    wd = tl.load(weight + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
-    wp = tl.load(weight + partner, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
+    wd = tl.load(weights[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    wp = tl.load(weights[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xd * xd, axis=1) / HEAD_DIM + eps)[:, None]
     # rotate_half: the first half takes its partner negated
     signs = tl.where(d < half, -1.0, 1.0)
-    rotated = xp * wp[None, :] * (sin * signs)[None, :]
-    return (xd * wd[None, :] * cos[None, :] + rotated) * rstd
+    rotated = xp * wp * (sin * signs)[None, :]
+    return (xd * wd * cos[None, :] + rotated) * rstd
 
 
 @triton.jit
@@ -373,10 +374,11 @@ def _attention(qkv, cache_k, cache_v, pos, cos, sin, q_norm, k_norm, partial, ls
                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                BLOCK: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
     # Program (row r, kv head h, split s), from the row's fused q|k|v product: normalises and
-    # rotates the GROUP query heads of h, attends over the split's share of the keys at positions <=
-    # p, the query's (the cost follows the live length, not the cache's), and writes the normalised
-    # partial output and its log-sum-exp for _merge. The split whose share holds p first writes the
-    # new key (normalised and rotated) and value there; no other program reads position p.
+    # rotates the GROUP query heads of h and its new key together, attends over the split's share
+    # of the keys at positions <= p, the query's (the cost follows the live length, not the
+    # cache's), and writes the normalised partial output and its log-sum-exp for _merge. The split
+    # whose share holds p first writes the new key and value there; no other program reads
+    # position p.
     # row, kv head, split
     _wait_for_previous(PDL)
     r, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -389,20 +391,23 @@ def _attention(qkv, cache_k, cache_v, pos, cos, sin, q_norm, k_norm, partial, ls
     cs = tl.load(cos + p * cs_row + d, mask=d_mask, other=0.0).to(tl.float32)
     sn = tl.load(sin + p * cs_row + d, mask=d_mask, other=0.0).to(tl.float32)
     row = qkv + r * qkv_row
-    q_rows = (h * GROUP + g) * HEAD_DIM
-    qt = _norm_rope(row, q_rows, g < GROUP, q_norm, cs, sn, eps, HEAD_DIM, D)
+    # Rows 0 ... GROUP - 1: kv head h's query heads; row GROUP: its new key, in the same pass
+    # (a pass of its own would be a second chain of loads, reductions and barriers before the
+    # keys are read). The rows past it are 0; no row past GROUP - 1 has its output stored.
+    key_row = g == GROUP
+    rows = tl.where(key_row, H + h, h * GROUP + g) * HEAD_DIM
+    qk = _norm_rope(row, rows, g <= GROUP, tl.where(key_row, k_norm, q_norm), cs, sn, eps,
+                    HEAD_DIM, D)
     # rounded as the model's activations are
-    qt = qt.to(cache_k.dtype.element_ty)
+    qt = qk.to(cache_k.dtype.element_ty)
     cache = r * k_row + h * k_head
     chunk = tl.cdiv(tl.cdiv(p + 1, SPLITS), BLOCK) * BLOCK
     lo = s * chunk
     hi = tl.minimum(lo + chunk, p + 1)
     if (lo <= p) & (p < hi):
-        # The new key: one head, normalised as G rows of which row 0 alone is real, then summed
-        k_rows = tl.zeros([G], tl.int32) + (H + h) * HEAD_DIM
-        new_k = _norm_rope(row, k_rows, g < 1, k_norm, cs, sn, eps, HEAD_DIM, D)
-        new_k = tl.sum(new_k, axis=0).to(cache_k.dtype.element_ty)
-        tl.store(cache_k + cache + p * k_pos + d, new_k, mask=d_mask)
+        # The new key: row GROUP of qt, each thread storing its own share (no reduction)
+        new_k_at = cache + p * k_pos + g[:, None] * 0 + d[None, :]
+        tl.store(cache_k + new_k_at, qt, mask=key_row[:, None] & d_mask[None, :])
         new_v = tl.load(row + (H + KV_HEADS + h) * HEAD_DIM + d, mask=d_mask)
         tl.store(cache_v + cache + p * k_pos + d, new_v.to(cache_v.dtype.element_ty), mask=d_mask)
         # The stores are seen by all of this program's threads before the loads
@@ -476,11 +481,13 @@ def decode_attention(qkv: Tensor, cache_k: Tensor, cache_v: Tensor, positions: T
     D = max(16, triton.next_power_of_2(head_dim))
     group = heads // kv_heads
     k_row, k_head, k_pos, _ = cache_k.stride()
+    # G rows: the query heads of a kv head and its key, at least 16 (tl.dot). 8 warps: the fastest
+    # of 2, 4 and 8 on the H200 (bench/RESULTS.md).
     _attention[(rows, kv_heads, splits)](
         qkv, cache_k, cache_v, positions, cos, sin, q_norm, k_norm, partial, lse, qkv.stride(0),
         cos.stride(0), k_row, k_head, k_pos, eps=eps, sm_scale=head_dim ** -0.5, GROUP=group,
-        HEAD_DIM=head_dim, G=max(16, triton.next_power_of_2(group)), D=D, BLOCK=64,
-        SPLITS=splits, **dependent_launch(qkv))
+        HEAD_DIM=head_dim, G=max(16, triton.next_power_of_2(group + 1)), D=D, BLOCK=64,
+        SPLITS=splits, num_warps=8, **dependent_launch(qkv))
     out = torch.empty(rows, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     _merge[(rows * heads,)](partial, lse, out, HEAD_DIM=head_dim, D=D, SPLITS=splits,
                             **dependent_launch(qkv))

@@ -2627,8 +2627,9 @@ def test_kernel_gemv_of_picked_experts_matches_reference_ops(device, dtype, tol,
 
 
 @pytest.mark.parametrize("device,dtype,tol", KERNEL_RUNS)
-# GQA 1, 2, 4
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (4, 2, 128), (8, 2, 64)])
+# GQA 1, 2, 4, and 16 (235B-A22B's: the key row, after 16 query rows, takes a block of 32)
+@pytest.mark.parametrize("heads,kv_heads,head_dim",
+                         [(4, 4, 64), (4, 2, 128), (8, 2, 64), (16, 1, 64)])
 @pytest.mark.parametrize("kv_len", [64, 256, 512])  # 1, 4 and 8 splits
 def test_kernel_decode_attention_matches_reference_ops(device, dtype, tol, heads, kv_heads,
                                                        head_dim, kv_len):
