@@ -405,7 +405,8 @@ def _attention(qkv, cache_k, cache_v, pos, cos, sin, q_norm, k_norm, partial, ls
     lo = s * chunk
     hi = tl.minimum(lo + chunk, p + 1)
     if (lo <= p) & (p < hi):
-        # The new key: row GROUP of qt, each thread storing its own share (no reduction)
+        # The new key, row GROUP of qt: every row's pointers aim at position p and the mask keeps
+        # row GROUP's, so each thread stores its own share of it (no reduction across threads)
         new_k_at = cache + p * k_pos + g[:, None] * 0 + d[None, :]
         tl.store(cache_k + new_k_at, qt, mask=key_row[:, None] & d_mask[None, :])
         new_v = tl.load(row + (H + KV_HEADS + h) * HEAD_DIM + d, mask=d_mask)
@@ -481,8 +482,8 @@ def decode_attention(qkv: Tensor, cache_k: Tensor, cache_v: Tensor, positions: T
     D = max(16, triton.next_power_of_2(head_dim))
     group = heads // kv_heads
     k_row, k_head, k_pos, _ = cache_k.stride()
-    # G rows: the query heads of a kv head and its key, at least 16 (tl.dot). 8 warps: the fastest
-    # of 2, 4 and 8 on the H200 (bench/RESULTS.md).
+    # G rows: the query heads of a kv head and its key, at least 16 (tl.dot). 8 warps: faster than
+    # 4 on the H200 (bench/RESULTS.md).
     _attention[(rows, kv_heads, splits)](
         qkv, cache_k, cache_v, positions, cos, sin, q_norm, k_norm, partial, lse, qkv.stride(0),
         cos.stride(0), k_row, k_head, k_pos, eps=eps, sm_scale=head_dim ** -0.5, GROUP=group,
