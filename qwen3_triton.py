@@ -107,14 +107,16 @@ def _route(router, EXPERTS: tl.constexpr, TOP_K: tl.constexpr, NORM_TOPK: tl.con
     p = tl.load(router + e, mask=e < EXPERTS, other=float("-inf")).to(tl.float32)
     p = tl.exp(p - tl.max(p, axis=0))
     p = p / tl.sum(p, axis=0)
-    rank = tl.arange(0, KB)
-    ids = tl.zeros([KB], tl.int32)
-    weights = tl.zeros([KB], tl.float32)
+    # A pick is one maximum, of keys: p's bits (p >= 0: they order as p does) over EB - 1 - the
+    # expert, so that ties go to the lower id, as argmax's
+    keys = p.to(tl.int32, bitcast=True).to(tl.int64) << 32 | (EB - 1 - e)
+    picked = tl.zeros([KB], tl.int64)
     for i in tl.static_range(TOP_K):
-        best = tl.argmax(p, axis=0)
-        ids = tl.where(rank == i, best, ids)
-        weights = tl.where(rank == i, tl.max(p, axis=0), weights)
-        p = tl.where(e == best, -1.0, p)
+        best = tl.max(keys, axis=0)
+        picked = tl.where(tl.arange(0, KB) == i, best, picked)
+        keys = tl.where(keys == best, -1, keys)
+    ids = EB - 1 - (picked & (EB - 1)).to(tl.int32)
+    weights = (picked >> 32).to(tl.int32).to(tl.float32, bitcast=True)
     if NORM_TOPK:
         weights = weights / tl.sum(weights, axis=0)
     return ids, weights
@@ -316,6 +318,11 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | 
     experts = 0 if router is None else router.shape[-1]
     out = gemv_output(x, weight, router=router, top_k=top_k, routed=routed)
     config = GEMV_CONFIGS[input_kind(norm, gated, router, routed), kind]
+    # A product of few rows, as a MoE router's (a row an expert): 2 rows a program and one block,
+    # where 8 rows would leave most multiprocessors idle and read 4 blocks in turn
+    # (bench/RESULTS.md)
+    if N < 256 and router is None:
+        config = dict(BN=2, BK=2048, num_warps=2)
     # int4: whole groups a block
     config = dict(config, BK=max(config["BK"], group // pack))
     routing = dict(EXPERTS=experts, TOP_K=top_k, NORM_TOPK=norm_topk_prob, ROUTED=routed,
@@ -323,9 +330,8 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | 
                    KB=triton.next_power_of_2(max(top_k, 1)))
     # routed: a program a pick, each writing its row of `picks` (top_k, 1, N) in fp32, which
     # _add_rows then sums with the residual
-    picks, added = out, residual
-    if routed:
-        picks, added = x.new_empty(top_k, 1, N, dtype=torch.float32), None
+    picks = x.new_empty(top_k, 1, N, dtype=torch.float32) if routed else out
+    added = None if routed else residual
     grid = (triton.cdiv(N, config["BN"]), out.shape[0], top_k if routed else 1)
     # A None argument is a constexpr None to Triton: the branches that would read it are not
     # compiled
@@ -561,8 +567,8 @@ def _draw(top, top_ids, count, noise, out, inv_temperature, top_p, K: tl.constex
         before = tl.cumsum(probs, axis=0) - probs
         scores = tl.where(before >= top_p, float("-inf"), scores)
     u = tl.load(noise + r * K + rank, mask=rank < K, other=0.5)
+    # -inf past K, as the scores
     gumbel = scores - tl.log(-tl.log(u))
-    gumbel = tl.where(rank < K, gumbel, float("-inf"))
     choice = tl.argmax(gumbel, axis=0)
     token = tl.sum(tl.where(rank == choice, best_ids, 0), axis=0)
     tl.store(out + r, token.to(tl.int64))
