@@ -515,27 +515,28 @@ MAX_TOP_K = 64
 
 @triton.jit
 def _largest(values, ids, K: tl.constexpr, KB: tl.constexpr):
-    # The K largest of `values` and their `ids`, largest first: vectors of KB (K rounded up to a
-    # power of two), -inf past K. K rounds of take-the-largest.
+    # The K largest of fp32 `values` and their int32 `ids`, largest first (ties to the lower id):
+    # vectors of KB (K rounded up to a power of two), -inf past K. K rounds of one maximum each,
+    # over int64 keys: the value's bits, negative values' magnitude bits flipped so that the keys
+    # order as the values do, over 2^31 - 1 - the id.
+    bits = values.to(tl.int32, bitcast=True)
+    keys = (bits ^ (bits >> 31 & 0x7FFFFFFF)).to(tl.int64) << 32 | (0x7FFFFFFF - ids)
     rank = tl.arange(0, KB)
-    top = tl.full([KB], float("-inf"), tl.float32)
-    top_ids = tl.zeros([KB], tl.int32)
-    index = tl.arange(0, values.shape[0])
+    top = tl.zeros([KB], tl.int64)
     for i in range(K):
-        best = tl.argmax(values, axis=0)
-        top = tl.where(rank == i, tl.max(values, axis=0), top)
-        chosen = tl.sum(tl.where(index == best, ids, 0), axis=0)
-        top_ids = tl.where(rank == i, chosen, top_ids)
-        values = tl.where(index == best, float("-inf"), values)
-    return top, top_ids
+        best = tl.max(keys, axis=0)
+        top = tl.where(rank == i, best, top)
+        keys = tl.where(keys == best, -2 ** 63, keys)
+    bits = (top >> 32).to(tl.int32)
+    values = (bits ^ (bits >> 31 & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    return tl.where(rank < K, values, float("-inf")), 0x7FFFFFFF - (top & 0x7FFFFFFF).to(tl.int32)
 
 
 @triton.jit
 def _chunk_top_k(logits, row_stride, V, top, top_ids, K: tl.constexpr, KB: tl.constexpr,
                  CHUNK: tl.constexpr):
     # Program (row r, chunk c): the K largest logits of the chunk and their ids, into (R, chunks, K)
-    r = tl.program_id(0)
-    c = tl.program_id(1)
+    r, c = tl.program_id(0), tl.program_id(1)
     ids = c * CHUNK + tl.arange(0, CHUNK)
     values = tl.load(logits + r * row_stride + ids, mask=ids < V, other=float("-inf"))
     best, best_ids = _largest(values, ids, K, KB)
