@@ -98,6 +98,25 @@ def _wait_for_previous(PDL: tl.constexpr):
 
 
 @triton.jit
+def _largest(values, ids, K: tl.constexpr, KB: tl.constexpr):
+    # The K largest of fp32 `values` and their int32 `ids`, largest first (ties to the lower id):
+    # vectors of KB (K rounded up to a power of two), -inf past K. K rounds of one maximum each,
+    # over int64 keys: the value's bits, negative values' magnitude bits flipped so that the keys
+    # order as the values do, over 2^31 - 1 - the id.
+    bits = values.to(tl.int32, bitcast=True)
+    keys = (bits ^ (bits >> 31 & 0x7FFFFFFF)).to(tl.int64) << 32 | (0x7FFFFFFF - ids)
+    rank = tl.arange(0, KB)
+    top = tl.zeros([KB], tl.int64)
+    for i in range(K):
+        best = tl.max(keys, axis=0)
+        top = tl.where(rank == i, best, top)
+        keys = tl.where(keys == best, -2 ** 63, keys)
+    bits = (top >> 32).to(tl.int32)
+    values = (bits ^ (bits >> 31 & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    return tl.where(rank < K, values, float("-inf")), 0x7FFFFFFF - (top & 0x7FFFFFFF).to(tl.int32)
+
+
+@triton.jit
 def _route(router, EXPERTS: tl.constexpr, TOP_K: tl.constexpr, NORM_TOPK: tl.constexpr,
            EB: tl.constexpr, KB: tl.constexpr):
     # A MoE router's picks from its logits, as MoE.forward makes them: softmax in fp32, the TOP_K
@@ -107,16 +126,9 @@ def _route(router, EXPERTS: tl.constexpr, TOP_K: tl.constexpr, NORM_TOPK: tl.con
     p = tl.load(router + e, mask=e < EXPERTS, other=float("-inf")).to(tl.float32)
     p = tl.exp(p - tl.max(p, axis=0))
     p = p / tl.sum(p, axis=0)
-    # A pick is one maximum, of keys: p's bits (p >= 0: they order as p does) over EB - 1 - the
-    # expert, so that ties go to the lower id, as argmax's
-    keys = p.to(tl.int32, bitcast=True).to(tl.int64) << 32 | (EB - 1 - e)
-    picked = tl.zeros([KB], tl.int64)
-    for i in tl.static_range(TOP_K):
-        best = tl.max(keys, axis=0)
-        picked = tl.where(tl.arange(0, KB) == i, best, picked)
-        keys = tl.where(keys == best, -1, keys)
-    ids = EB - 1 - (picked & (EB - 1)).to(tl.int32)
-    weights = (picked >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    # the picks, most probable first (ties to the lower id, as argmax's); 0 past TOP_K
+    probs, ids = _largest(p, e, TOP_K, KB)
+    weights = tl.where(tl.arange(0, KB) < TOP_K, probs, 0.0)
     if NORM_TOPK:
         weights = weights / tl.sum(weights, axis=0)
     return ids, weights
@@ -511,25 +523,6 @@ def _(qkv, cache_k, cache_v, positions, cos, sin, q_norm, k_norm, eps, heads, kv
 SAMPLE_CHUNK = 2048
 # larger top-k filters sample with PyTorch's ops
 MAX_TOP_K = 64
-
-
-@triton.jit
-def _largest(values, ids, K: tl.constexpr, KB: tl.constexpr):
-    # The K largest of fp32 `values` and their int32 `ids`, largest first (ties to the lower id):
-    # vectors of KB (K rounded up to a power of two), -inf past K. K rounds of one maximum each,
-    # over int64 keys: the value's bits, negative values' magnitude bits flipped so that the keys
-    # order as the values do, over 2^31 - 1 - the id.
-    bits = values.to(tl.int32, bitcast=True)
-    keys = (bits ^ (bits >> 31 & 0x7FFFFFFF)).to(tl.int64) << 32 | (0x7FFFFFFF - ids)
-    rank = tl.arange(0, KB)
-    top = tl.zeros([KB], tl.int64)
-    for i in range(K):
-        best = tl.max(keys, axis=0)
-        top = tl.where(rank == i, best, top)
-        keys = tl.where(keys == best, -2 ** 63, keys)
-    bits = (top >> 32).to(tl.int32)
-    values = (bits ^ (bits >> 31 & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-    return tl.where(rank < K, values, float("-inf")), 0x7FFFFFFF - (top & 0x7FFFFFFF).to(tl.int32)
 
 
 @triton.jit
