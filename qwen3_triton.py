@@ -487,11 +487,13 @@ def decode_attention(qkv: Tensor, cache_k: Tensor, cache_v: Tensor, positions: T
     head_dim) of model.rope_tables; q_norm / k_norm: the RMSNorm
     weights. Attends to the keys at positions <= the query's, split into programs per (row, kv head)
     so that one row still fills the GPU; returns (R, heads, head_dim). kv_len bounds the positions
-    (the attended length) and sets the number of splits: a 64-key block each until there are 32,
-    then more blocks each (the best of a sweep, bench/RESULTS.md); any kv_len gives the same
-    result."""
+    (the attended length) and sets the number of splits: a block of keys each (32 keys, or 64
+    past 512) until there are 32, then more blocks each; any kv_len gives the same result."""
+    # Keys a block: 32 up to 512 keys (short contexts gain from more, shorter programs), then 64
+    # (fewer iterations a split, once the splits reach 32); the best of sweeps (bench/RESULTS.md)
+    block = 32 if kv_len <= 512 else 64
     # A power of two: the merge
-    splits = min(32, triton.next_power_of_2(triton.cdiv(kv_len, 64)))
+    splits = min(32, triton.next_power_of_2(triton.cdiv(kv_len, block)))
     rows = qkv.shape[0]
     _, kv_heads, _, head_dim = cache_k.shape
     partial = torch.empty(rows, heads, splits, head_dim, dtype=torch.float32, device=qkv.device)
@@ -505,7 +507,7 @@ def decode_attention(qkv: Tensor, cache_k: Tensor, cache_v: Tensor, positions: T
     _attention[(rows, kv_heads, splits)](
         qkv, cache_k, cache_v, positions, cos, sin, q_norm, k_norm, partial, lse, qkv.stride(0),
         cos.stride(0), k_row, k_head, k_pos, eps=eps, sm_scale=head_dim ** -0.5, GROUP=group,
-        HEAD_DIM=head_dim, G=max(16, triton.next_power_of_2(group + 1)), D=D, BLOCK=64,
+        HEAD_DIM=head_dim, G=max(16, triton.next_power_of_2(group + 1)), D=D, BLOCK=block,
         SPLITS=splits, num_warps=8, **dependent_launch(qkv))
     out = torch.empty(rows, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     _merge[(rows * heads,)](partial, lse, out, HEAD_DIM=head_dim, D=D, SPLITS=splits,

@@ -2630,13 +2630,14 @@ def test_kernel_gemv_of_picked_experts_matches_reference_ops(device, dtype, tol,
 # GQA 1, 2, 4, and 16 (235B-A22B's: the key row, after 16 query rows, takes a block of 32)
 @pytest.mark.parametrize("heads,kv_heads,head_dim",
                          [(4, 4, 64), (4, 2, 128), (8, 2, 64), (16, 1, 64)])
-@pytest.mark.parametrize("kv_len", [64, 256, 512])  # 1, 4 and 8 splits
+# 2 and 8 splits of 32-key blocks, 16 of 64-key blocks
+@pytest.mark.parametrize("kv_len", [64, 256, 1024])
 def test_kernel_decode_attention_matches_reference_ops(device, dtype, tol, heads, kv_heads,
                                                        head_dim, kv_len):
-    """One query per row, rows at different positions: around the 64-key block and the split
-    boundaries (chunks of ceil(ceil((p + 1) / splits) / 64) * 64 keys), the first position and the
-    cache's last. The cache holds random stale keys past each row's position: the kernel must not
-    read them."""
+    """One query per row, rows at different positions: around the key blocks and the split
+    boundaries (chunks of ceil(ceil((p + 1) / splits) / block) * block keys), the first position
+    and the cache's last. The cache holds random stale keys past each row's position: the kernel
+    must not read them."""
     torch.manual_seed(0)
     positions = torch.tensor([0, 31, 63, 64, 127, 128, 200, 255], device=device)
     R, capacity, eps = len(positions), 256, 1e-6
