@@ -2630,8 +2630,8 @@ def test_kernel_gemv_of_picked_experts_matches_reference_ops(device, dtype, tol,
 # GQA 1, 2, 4, and 16 (235B-A22B's: the key row, after 16 query rows, takes a block of 32)
 @pytest.mark.parametrize("heads,kv_heads,head_dim",
                          [(4, 4, 64), (4, 2, 128), (8, 2, 64), (16, 1, 64)])
-# 2 and 8 splits of 32-key blocks, 16 of 64-key blocks
-@pytest.mark.parametrize("kv_len", [64, 256, 1024])
+# 1, 2 and 8 splits of 32-key blocks, 16 of 64-key blocks
+@pytest.mark.parametrize("kv_len", [32, 64, 256, 1024])
 def test_kernel_decode_attention_matches_reference_ops(device, dtype, tol, heads, kv_heads,
                                                        head_dim, kv_len):
     """One query per row, rows at different positions: around the key blocks and the split
