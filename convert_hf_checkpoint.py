@@ -200,9 +200,10 @@ def converted_config(path) -> dict:
     config = pathlib.Path(path, "config.json")
     require(config.is_file(), f"{path}: no converted checkpoint; the converter makes one")
     config = read_json(config)
-    # Every config.json our converter writes has it
-    require("quantization" in config, f"{path} is a Hugging Face snapshot: convert it first "
-            f"(python convert_hf_checkpoint.py --checkpoint-dir {path})")
+    # Every config.json this converter writes has it; an older one's put gate_up_proj's gate rows
+    # first
+    require("gate_up" in config, f"{path} is a Hugging Face snapshot or an older conversion: "
+            "convert the snapshot (python convert_hf_checkpoint.py --checkpoint-dir SNAPSHOT)")
     return config
 
 
@@ -249,8 +250,7 @@ def hf_names(name: str, meta: torch.Tensor) -> list[str]:
 def snapshot_args(src: pathlib.Path) -> tuple[ModelArgs, dict]:
     """The model of a Hugging Face snapshot, refused where it isn't one we convert, and our
     config.json for it."""
-    if not (src / "config.json").is_file():
-        raise UserError(f"{src}: no config.json; is it a Hugging Face Qwen3 snapshot?")
+    require((src / "config.json").is_file(), f"{src}: no config.json; is it a Qwen3 snapshot?")
     # Refused now if missing or broken, not when generating
     read_tokenizer(src)
     if (src / "generation_config.json").is_file():
@@ -262,7 +262,8 @@ def snapshot_args(src: pathlib.Path) -> tuple[ModelArgs, dict]:
     require("quantization" not in config, f"{src}: already converted; convert its snapshot")
     args = model_args(config)
     eos = sorted(eos_ids(config, "config.json"))
-    ours = dict(dataclasses.asdict(args), eos_token_id=eos, quantization=None)
+    # gate_up_proj's rows in gate / up pairs (an older converter's are not: converted_config)
+    ours = dict(dataclasses.asdict(args), eos_token_id=eos, quantization=None, gate_up="pairs")
     return args, ours
 
 
@@ -284,7 +285,10 @@ def joined(src: pathlib.Path, name: str, parts: list[str], files: dict, meta) ->
     same = weight.numel() == meta.numel() and weight.shape[-1] == meta.shape[-1]
     require(same, f"{src}: {name} has shape {tuple(weight.shape)}; config.json implies "
             f"{tuple(meta.shape)}")
-    return weight.view(meta.shape)
+    if "gate_up_proj" in name:
+        # (experts, gate / up, inner, columns) -> rows alternating gate and up, as model.MLP's
+        weight = weight.view(-1, 2, meta.shape[-2] // 2, meta.shape[-1]).transpose(1, 2)
+    return weight.reshape(meta.shape)
 
 
 def convert(src: str, out: str, quantization: str | None = None,

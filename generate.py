@@ -458,8 +458,7 @@ def load_model(path: str, device="cpu", dtype: torch.dtype | None = None,
     require(dtype in floats, f"dtype {dtype!r}: use torch.bfloat16, torch.float16 or torch.float32")
     config = converted_config(path)
     quantization = config["quantization"]
-    needs = quantization and quantize is None
-    require(not needs, f"{path} is {quantization}: loading it needs quantize.py")
+    require(quantize or not quantization, f"{path} is {quantization}: loading it needs quantize.py")
     args = model_args(config)
     if split is not None:
         args = split.rank_args(args)
@@ -616,8 +615,7 @@ def parse_args(argv=None, description: str = __doc__, prompts: bool = True) -> a
     args.dtype = getattr(torch, args.dtype) if args.dtype else None
     if args.cuda_graph and args.device.type != "cuda":
         raise UserError("--cuda-graph needs a CUDA device (--device cuda): leave it out on the CPU")
-    if (args.system or args.no_think) and not args.chat:
-        raise UserError("--system and --no-think go with --chat")
+    require(args.chat or not (args.system or args.no_think), "--system, --no-think go with --chat")
     return args
 
 

@@ -3,7 +3,8 @@
 The architecture and nothing else: ModelArgs, RoPE (with YaRN), StaticKVCache, Attention, MLP, MoE,
 Block, Transformer. One forward serves every call: a prefill (a prompt per row, many tokens) and a
 decode step (one token per row). Module names follow the Hugging Face checkpoint's, but for the
-fused qkv_proj and gate_up_proj and the experts' stacked weights (as transformers 5 keeps them).
+fused qkv_proj and gate_up_proj (its gate and up rows interleaved) and the experts' stacked
+weights (as transformers 5 keeps them).
 
     model = Transformer(ModelArgs.from_config(config))  # or generate.load_model(path)
     model.setup_cache(slots=1, capacity=512)
@@ -206,7 +207,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """down(silu(gate) * up), gate and up from one product."""
+    """down(silu(gate) * up), gate and up from one product whose rows alternate: gate i, then up i
+    (so that a block of rows holds whole pairs, and a kernel computing them can gate them)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -215,7 +217,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inner, args.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        # (..., inner, 2): pairs
+        gate, up = self.gate_up_proj(x).unflatten(-1, (-1, 2)).unbind(-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -248,7 +251,8 @@ class MoE(nn.Module):
 
 class Experts(nn.Module):
     """num_experts SiLU-gated MLPs, each kind of weight one 3-D parameter: gate_up_proj (experts,
-    2 x inner, hidden) and down_proj (experts, hidden, inner)."""
+    2 x inner, hidden), rows alternating gate and up as MLP's, and down_proj (experts, hidden,
+    inner)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -272,7 +276,8 @@ class Experts(nn.Module):
         row_experts, order = picked.flatten().sort()
         # (pairs, hidden): each pair's token
         rows = tokens[order // picked.shape[1]]
-        gate, up = expert_products(rows, gate_up, row_experts, self.grouped_mm).chunk(2, dim=-1)
+        pairs = expert_products(rows, gate_up, row_experts, self.grouped_mm)
+        gate, up = pairs.unflatten(-1, (-1, 2)).unbind(-1)
         y = expert_products(F.silu(gate) * up, down, row_experts, self.grouped_mm)
         # Back in (token, pick) order: pair i is sorted row order.argsort()[i]
         return y[order.argsort()].unflatten(0, picked.shape)

@@ -22,7 +22,7 @@ def forward_one_token(model: Transformer, tokens: Tensor, positions: Tensor,
                       kv_len: int) -> Tensor:
     """model(tokens, positions, kv_len) for one token, tokens and positions (1, 1): logits (1, 1,
     vocab). Layer by layer: the qkv product with the norm before it, attention, o_proj with the
-    residual, gate-up with the norm, down with the gate and the residual (MoE: the router, then the
+    residual, gate-up with the norm and the gate, down with the residual (MoE: the router, then the
     picked experts' gate-up and down). Where tp.py split the model (model.tensor_parallel), o_proj
     and down sum the ranks' shares."""
     split = getattr(model, "tensor_parallel", None)
@@ -47,9 +47,9 @@ def forward_one_token(model: Transformer, tokens: Tensor, positions: Tensor,
         else:
             routing = {}
             gate_up_proj, down_proj = weights(mlp.gate_up_proj), weights(mlp.down_proj)
-        # (1, 1, 2 x inner); MoE: (top_k, 1, 2 x inner), an output per pick
-        gate_up = product(gate_up_proj, x, norm=norm, **routing)
-        x = product(down_proj, gate_up, gated=True, residual=x, routed=moe, split=split, **routing)
+        # silu(gate) * up, (1, 1, inner); MoE: (top_k, 1, inner), an output per pick
+        gated = product(gate_up_proj, x, norm=norm, gated=True, **routing)
+        x = product(down_proj, gated, residual=x, routed=moe, split=split, **routing)
     return product(weights(model.lm_head), x, norm=model.norm)
 
 
@@ -149,10 +149,11 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, KW, x_row,
           NORM_TOPK: tl.constexpr, ROUTED: tl.constexpr, EB: tl.constexpr, KB: tl.constexpr,
           BN: tl.constexpr, BK: tl.constexpr, PACK: tl.constexpr, GROUP: tl.constexpr,
           PDL: tl.constexpr):
-    # out[j, n] = res[n] + scale[n] * sum_k w[n, k] * a[k], where a = x * norm / rms(x), or
-    # silu(x[:K]) * x[K:], or x. MoE: w and scale hold EXPERTS experts, of which the router's logits
-    # pick TOP_K, and output j uses pick j; or, ROUTED, output t is pick t's, from its own input
-    # row x[t] and weighted by its routing weight, for _add_rows to sum. Quantized weights come as
+    # out[j, n] = res[n] + scale[n] * sum_k w[n, k] * a[k], where a = x * norm / rms(x), or x;
+    # GATED, rows 2i and 2i + 1 of that are gate i and up i: out[j, i] = silu(gate) * up. MoE: w
+    # and scale hold EXPERTS experts, of which the router's logits pick TOP_K, and output j uses
+    # pick j; or, ROUTED, output t is pick t's, from its own input row x[t] and weighted by its
+    # routing weight, for _add_rows to sum. Quantized weights come as
     # int32 words of PACK fields, int8's 4 bytes or int4's 8 nibbles. A field masked where it lies
     # in the word's low 16 bits (fields PACK / 2 on, of the word shifted down 16) is, as float bits,
     # the subnormal u * 2^(shift - 149), exactly: one integer operation a weight, where a
@@ -199,9 +200,6 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, KW, x_row,
         for i in tl.static_range(PACK):
             k = words * PACK + i
             a = tl.load(xt + k, mask=k < K, other=0.0).to(tl.float32)
-            if GATED:
-                up = tl.load(xt + K + k, mask=k < K, other=0.0).to(tl.float32)
-                a = a * tl.sigmoid(a) * up
             # 1/rms is applied at the end: it scales every output alike
             if NORM:
                 squares += a * a
@@ -247,7 +245,15 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, KW, x_row,
         y = y * tl.sum(tl.where(pick, weights, 0.0), axis=0)
     if RES:
         y = y + tl.load(res + n, mask=n < N, other=0.0).to(tl.float32)
-    tl.store(out + (j + t) * N + n, y.to(out.dtype.element_ty), mask=n < N)
+    # the output rows, of `count`: the weight rows, or their pairs
+    rows, count = n, N
+    if GATED:
+        # gate and up rounded as the model's product rounds them
+        pairs = tl.reshape(y.to(out.dtype.element_ty).to(tl.float32), [BN // 2, 2])
+        gate, up = tl.split(pairs)
+        y = gate * tl.sigmoid(gate) * up
+        rows, count = tl.program_id(0) * (BN // 2) + tl.arange(0, BN // 2), N // 2
+    tl.store(out + (j + t) * count + rows, y.to(out.dtype.element_ty), mask=rows < count)
 
 
 @triton.jit
@@ -270,19 +276,16 @@ def _add_rows(rows, res, out, N, ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: t
 # BN: weight rows per program, BK: weight words per block
 GEMV_CONFIGS = {
     ("norm", "float"): dict(BN=8, BK=512, num_warps=2),
-    ("gated", "float"): dict(BN=8, BK=1024, num_warps=4),
     ("plain", "float"): dict(BN=2, BK=1024, num_warps=4),
     ("norm", "int8"): dict(BN=16, BK=256, num_warps=4),
-    ("gated", "int8"): dict(BN=16, BK=512, num_warps=8),
     ("plain", "int8"): dict(BN=8, BK=512, num_warps=4),
     # MoE gate-up, 30B-A3B's shapes
     ("picked", "float"): dict(BN=8, BK=256, num_warps=1),
     # MoE down
-    ("routed", "float"): dict(BN=4, BK=256, num_warps=1),
+    ("routed", "float"): dict(BN=8, BK=128, num_warps=1),
     ("picked", "int8"): dict(BN=16, BK=64, num_warps=2),
     ("routed", "int8"): dict(BN=32, BK=64, num_warps=2),
     ("norm", "int4"): dict(BN=32, BK=128, num_warps=4),
-    ("gated", "int4"): dict(BN=16, BK=512, num_warps=8),
     ("plain", "int4"): dict(BN=16, BK=512, num_warps=8),
     ("picked", "int4"): dict(BN=32, BK=128, num_warps=4),
     ("routed", "int4"): dict(BN=32, BK=64, num_warps=2),
@@ -291,10 +294,9 @@ GEMV_CONFIGS = {
 STORAGE = {torch.int8: ("int8", 4), torch.uint8: ("int4", 8)}
 
 
-def input_kind(norm, gated: bool, router, routed: bool) -> str:
+def input_kind(norm, router, routed: bool) -> str:
     """What gemv does to its input, which picks its launch configuration: the first that applies."""
-    kinds = {"routed": routed, "picked": router is not None, "gated": gated,
-             "norm": norm is not None}
+    kinds = {"routed": routed, "picked": router is not None, "norm": norm is not None}
     return next((kind for kind, applies in kinds.items() if applies), "plain")
 
 
@@ -317,7 +319,8 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | 
          router: Tensor | None = None, top_k: int = 0, norm_topk_prob: bool = False,
          routed: bool = False, offset: Tensor | None = None) -> Tensor:
     """residual + (weight @ a) * scale for one token x (1, 1, K), where a is RMSNorm(x) * norm with
-    `norm`, silu(gate) * up of x = [gate, up] with `gated`, else x. weight (N, K) in x's dtype; or
+    `norm`, else x; with `gated`, its rows alternate gate and up (model.MLP's gate_up_proj), and
+    the output is silu(gate) * up, N / 2 of them. weight (N, K) in x's dtype; or
     int8 (K a multiple of 4) with a `scale` per row; or int4, (N, K / 2) uint8 packed as
     quantize.quantize_int4 packs it, with a `scale` and an `offset` (N, K / group) per group of
     columns (a multiple of 8). MoE: weight (experts, N, ...), and the `router` logits (experts,)
@@ -328,8 +331,11 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | 
     N, KW = words.shape[-2:]
     group = 0 if offset is None else KW * pack // offset.shape[-1]
     experts = 0 if router is None else router.shape[-1]
-    out = gemv_output(x, weight, router=router, top_k=top_k, routed=routed)
-    config = GEMV_CONFIGS[input_kind(norm, gated, router, routed), kind]
+    out = gemv_output(x, weight, gated=gated, router=router, top_k=top_k, routed=routed)
+    config = GEMV_CONFIGS[input_kind(norm, router, routed), kind]
+    # Rows of float weights longer than 8,192 (a large model's down: 8B's 12,288), 8 a program
+    if config is GEMV_CONFIGS["plain", "float"] and KW > 8192:
+        config = dict(config, BN=8)
     # A product of few rows, as a MoE router's (a row an expert): 2 rows a program and one block,
     # where 8 rows would leave most multiprocessors idle and read 4 blocks in turn
     # (bench/RESULTS.md)
@@ -360,9 +366,10 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | 
 @torch.library.register_fake("qwen3_fast::gemv")
 def gemv_output(x, weight, scale=None, norm=None, eps=0.0, gated=False, residual=None, router=None,
                 top_k=0, norm_topk_prob=False, routed=False, offset=None):
-    """gemv's output, uninitialised: (top_k, 1, N) for the picked experts, else (1, 1, N)."""
+    """gemv's output, uninitialised: (top_k, 1, N) for the picked experts, else (1, 1, N); N / 2
+    with `gated`."""
     picked = router is not None and not routed
-    return x.new_empty(top_k if picked else 1, 1, weight.shape[-2])
+    return x.new_empty(top_k if picked else 1, 1, weight.shape[-2] // (1 + gated))
 
 
 @triton.jit

@@ -722,7 +722,8 @@ def test_convert_memory_stays_bounded(tmp_path):
     model = load(str(src / "converted"))  # and the result is complete
     last = model.layers[39].mlp.gate_up_proj.weight
     up = "model.layers.39.mlp.up_proj.weight"
-    assert torch.equal(last[-2048:], load_file(src / weight_map[up])[up])
+    # up's rows are every second one
+    assert torch.equal(last[1::2], load_file(src / weight_map[up])[up])
 
 
 def test_convert_moe_memory_does_not_grow_with_the_model(tmp_path):
@@ -741,7 +742,7 @@ def test_convert_moe_memory_does_not_grow_with_the_model(tmp_path):
     last = model.layers[19].mlp.experts.gate_up_proj
     assert last.shape == (64, 256, 256)
     up = "model.layers.19.mlp.experts.63.up_proj.weight"
-    assert torch.equal(last[63, 128:], load_file(src / weight_map[up])[up])
+    assert torch.equal(last[63, 1::2], load_file(src / weight_map[up])[up])
 
 
 @pytest.fixture
@@ -2003,7 +2004,11 @@ def test_cli_bad_files_one_line(tiny, tmp_path):
             "temperature 'hot'",
         broken("genconfig-cold", lambda p: edit_json(p / "generation_config.json", temperature=-1)):
             "temperature -1: must be 0 (greedy) or at least 0.001",
-        str(tmp_path / "hf"): "is a Hugging Face snapshot: convert it first",
+        str(tmp_path / "hf"): "is a Hugging Face snapshot or an older conversion: convert the",
+        # converted before gate_up_proj's rows were interleaved: its config.json has no gate_up
+        broken("older", lambda p: (p / "config.json").write_text(json.dumps(
+            {k: v for k, v in json.loads((p / "config.json").read_text()).items()
+             if k != "gate_up"}))): "an older conversion: convert the snapshot",
     }
     hf_checkpoint(str(tmp_path / "hf"))
     for path, message in cases.items():  # in this process: a traceback would fail the test as well
@@ -2455,7 +2460,7 @@ def assert_reads_shares(path, mode, world, tp):
             kv = args.num_key_value_heads * args.head_dim
             rows = [q // world, kv // min(world, 2), kv // min(world, 2)]
             if module == "gate_up_proj":
-                rows = [tensor.shape[-2 if leaf == "weight" else -1] // 2 // world] * 2
+                rows = [tensor.shape[-2 if leaf == "weight" else -1] // world]
             per_row = tensor.numel() // tensor.shape[-2 if leaf == "weight" else -1]
             assert reads == [sum(rows) * per_row] * world, name
         else:
@@ -2538,9 +2543,9 @@ def assert_close(got, want, tol, what):
 # K above the kernel's block: a ragged last block
 @pytest.mark.parametrize("N,K", [(40, 48), (300, 1104)])
 def test_kernel_gemv_matches_reference_ops(device, dtype, tol, N, K):
-    """The product, alone and with each input it fuses (the RMSNorm, the SiLU gate, the residual),
-    as PyTorch's ops make it: of float weights, and of quantize.py's int8 and int4 layers (in
-    groups of 16 columns)."""
+    """The product, alone and with what it fuses (the RMSNorm before it, the residual or the SiLU
+    gate after it), as PyTorch's ops make it: of float weights, and of quantize.py's int8 and int4
+    layers (in groups of 16 columns)."""
     torch.manual_seed(0)
     x, w, res = torch.randn(1, 1, K), torch.randn(N, K) / K ** 0.5, torch.randn(1, 1, N)
     norm = torch.nn.RMSNorm(K, 1e-6)
@@ -2553,22 +2558,31 @@ def test_kernel_gemv_matches_reference_ops(device, dtype, tol, N, K):
     with torch.no_grad():
         assert_close(fast.gemv(x, w, None, norm.weight, 1e-6, False, res), res + lin(norm(x)), tol,
                      "norm+res")
-        x2 = torch.randn(1, 1, 2 * K, device=device, dtype=dtype)
-        silu = torch.nn.functional.silu(x2[..., :K]) * x2[..., K:]
-        assert_close(fast.gemv(x2, w, gated=True), lin(silu), tol, "gated")
+        # w as a gate_up_proj: rows 2i and 2i + 1 are gate i and up i
+        got = fast.gemv(x, w, None, norm.weight, 1e-6, True)
+        assert got.shape == (1, 1, N // 2)
+        assert_close(got, silu_gate(lin(norm(x))), tol, "norm+gated")
         for mode, group_size in (("int8", None), ("int4", 16)):
             layer = quantized_linear(w.float(), group_size).to(device)
             assert_close(fast.product(fast.weights(layer), x), layer(x), tol, mode)
             got = fast.product(fast.weights(layer), x, norm=norm, residual=res)
             assert_close(got, res + layer(norm(x)), tol, f"{mode} norm+res")
             layer = quantized_linear(w.float() * 3, group_size).to(device)
-            got = fast.product(fast.weights(layer), x2, gated=True, residual=res)
-            assert_close(got, res + layer(silu), tol, f"{mode} gated+res")
+            got = fast.product(fast.weights(layer), x, norm=norm, gated=True)
+            assert_close(got, silu_gate(layer(norm(x))), tol, f"{mode} norm+gated")
     torch.library.opcheck(torch.ops.qwen3_fast.gemv,
                           (x, w, None, norm.weight.detach(), 1e-6, False, res))
     weight, scale, offset = fast.weights(layer)
-    torch.library.opcheck(torch.ops.qwen3_fast.gemv, (x2, weight, scale, None, 0.0, True, res),
+    torch.library.opcheck(torch.ops.qwen3_fast.gemv,
+                          (x, weight, scale, norm.weight.detach(), 1e-6, True),
                           dict(offset=offset))
+
+
+def silu_gate(pairs):
+    """silu(gate) * up of a gate_up_proj's output (..., 2 x inner), rows alternating gate and up,
+    as model.MLP takes them."""
+    gate, up = pairs.unflatten(-1, (-1, 2)).unbind(-1)
+    return torch.nn.functional.silu(gate) * up
 
 
 def quantized_linear(weight, group_size):
@@ -2585,8 +2599,8 @@ def quantized_linear(weight, group_size):
 def test_kernel_gemv_of_picked_experts_matches_reference_ops(device, dtype, tol, mode,
                                                              norm_topk_prob):
     """A MoE layer's two products, the experts picked by the kernels from the router's logits:
-    gate-up of each pick (RMSNorm fused), and down of each pick's SiLU-gated input, weighted by its
-    routing weight and summed with the residual. 6 experts (not a power of two), 3 picks; float
+    gate-up of each pick (RMSNorm and the SiLU gate fused), and down of each pick's input, weighted
+    by its routing weight and summed with the residual. 6 experts (not a power of two), 3 picks; float
     weights, or quantize.py's int8 or int4 (in groups of 8 columns)."""
     torch.manual_seed(0)
     E, N, K, top_k = 6, 40, 48, 3
@@ -2612,17 +2626,17 @@ def test_kernel_gemv_of_picked_experts_matches_reference_ops(device, dtype, tol,
     res = torch.randn(1, 1, K, device=device, dtype=dtype)
     routing = dict(router=logits, top_k=top_k, norm_topk_prob=norm_topk_prob)
     with torch.no_grad():
-        h = fast.product(gate_up[0], x, norm=norm, **routing)
-        want = torch.einsum("k,enk->en", norm(x)[0, 0].float(), gate_up[1][picked])
-        assert h.shape == (top_k, 1, 2 * N)
+        h = fast.product(gate_up[0], x, norm=norm, gated=True, **routing)
+        # (top_k, 2 x N): each pick's gate and up, rounded as the product's output
+        pairs = torch.einsum("k,enk->en", norm(x)[0, 0].float(), gate_up[1][picked]).to(dtype)
+        assert h.shape == (top_k, 1, N)
         h = h[:, 0]
-        assert_close(h, want, tol, "picked gate-up")
-        got = fast.product(down[0], h, gated=True, residual=res, routed=True, **routing)
-        gated = torch.nn.functional.silu(h[:, :N].float()) * h[:, N:].float()
-        terms = torch.einsum("en,ekn->ek", gated, down[1][picked])
+        assert_close(h, silu_gate(pairs.float()), tol, "picked gate-up")
+        got = fast.product(down[0], h, residual=res, routed=True, **routing)
+        terms = torch.einsum("en,ekn->ek", h.float(), down[1][picked])
         assert_close(got, res + (terms * weights[:, None]).sum(0), tol, "routed down")
     weight, scale, offset = down[0]
-    args = (h, weight, scale, None, 0.0, True, res, logits, top_k, norm_topk_prob, True, offset)
+    args = (h, weight, scale, None, 0.0, False, res, logits, top_k, norm_topk_prob, True, offset)
     torch.library.opcheck(torch.ops.qwen3_fast.gemv, args)
 
 

@@ -92,11 +92,11 @@ class TensorParallel:
     def rows(self, module: str, total: int) -> list[slice]:
         """This rank's rows of a fused product's `total` output rows: of q, k and v, or of gate and
         up. Its kv heads start at head rank * kv_heads // world, which replicates each over world /
-        kv_heads ranks where there are fewer kv heads than ranks."""
+        kv_heads ranks where there are fewer kv heads than ranks. gate_up_proj's rows alternate
+        gate and up: a rank's are one run of them."""
         if module == "gate_up_proj":
-            width = total // 2 // self.world
-            return [slice(start, start + width) for start in (self.rank * width,
-                                                              total // 2 + self.rank * width)]
+            width = total // self.world
+            return [slice(self.rank * width, self.rank * width + width)]
         args = self.args
         size = args.head_dim
         q = args.num_attention_heads * size // self.world
