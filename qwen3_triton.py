@@ -282,7 +282,7 @@ GEMV_CONFIGS = {
     # MoE gate-up, 30B-A3B's shapes
     ("picked", "float"): dict(BN=8, BK=256, num_warps=1),
     # MoE down
-    ("routed", "float"): dict(BN=8, BK=128, num_warps=1),
+    ("routed", "float"): dict(BN=16, BK=128, num_warps=1),
     ("picked", "int8"): dict(BN=16, BK=64, num_warps=2),
     ("routed", "int8"): dict(BN=32, BK=64, num_warps=2),
     ("norm", "int4"): dict(BN=32, BK=128, num_warps=4),
