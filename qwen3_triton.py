@@ -332,9 +332,11 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | 
     group = 0 if offset is None else KW * pack // offset.shape[-1]
     experts = 0 if router is None else router.shape[-1]
     out = gemv_output(x, weight, gated=gated, router=router, top_k=top_k, routed=routed)
-    config = GEMV_CONFIGS[input_kind(norm, router, routed), kind]
-    # Rows of float weights longer than 8,192 (a large model's down: 8B's 12,288), 8 a program
-    if config is GEMV_CONFIGS["plain", "float"] and KW > 8192:
+    product_kind = input_kind(norm, router, routed), kind
+    config = GEMV_CONFIGS[product_kind]
+    # Rows of float weights longer than 8,192 (a large model's down: 8B's 12,288), 8 a program,
+    # where 0.6B's shorter ones gain from 2 (bench/RESULTS.md)
+    if product_kind == ("plain", "float") and KW > 8192:
         config = dict(config, BN=8)
     # A product of few rows, as a MoE router's (a row an expert): 2 rows a program and one block,
     # where 8 rows would leave most multiprocessors idle and read 4 blocks in turn
