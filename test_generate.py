@@ -2599,9 +2599,9 @@ def quantized_linear(weight, group_size):
 def test_kernel_gemv_of_picked_experts_matches_reference_ops(device, dtype, tol, mode,
                                                              norm_topk_prob):
     """A MoE layer's two products, the experts picked by the kernels from the router's logits:
-    gate-up of each pick (RMSNorm and the SiLU gate fused), and down of each pick's input, weighted
-    by its routing weight and summed with the residual. 6 experts (not a power of two), 3 picks; float
-    weights, or quantize.py's int8 or int4 (in groups of 8 columns)."""
+    gate-up of each pick (RMSNorm and the SiLU gate fused), and down of each pick's input,
+    weighted by its routing weight and summed with the residual. 6 experts (not a power of two), 3
+    picks; float weights, or quantize.py's int8 or int4 (in groups of 8 columns)."""
     torch.manual_seed(0)
     E, N, K, top_k = 6, 40, 48, 3
     x = torch.randn(1, 1, K, device=device, dtype=dtype)
