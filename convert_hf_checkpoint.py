@@ -203,7 +203,7 @@ def converted_config(path) -> dict:
     # Every config.json this converter writes has it; an older one's put gate_up_proj's gate rows
     # first
     require("gate_up" in config, f"{path} is a Hugging Face snapshot or an older conversion: "
-            "convert the snapshot (python convert_hf_checkpoint.py --checkpoint-dir SNAPSHOT)")
+            "convert the snapshot: convert_hf_checkpoint.py --checkpoint-dir SNAPSHOT --output NEW")
     return config
 
 
