@@ -276,8 +276,9 @@ class Experts(nn.Module):
         row_experts, order = picked.flatten().sort()
         # (pairs, hidden): each pair's token
         rows = tokens[order // picked.shape[1]]
-        pairs = expert_products(rows, gate_up, row_experts, self.grouped_mm)
-        gate, up = pairs.unflatten(-1, (-1, 2)).unbind(-1)
+        # (pairs, 2 x inner): gate and up interleaved
+        interleaved = expert_products(rows, gate_up, row_experts, self.grouped_mm)
+        gate, up = interleaved.unflatten(-1, (-1, 2)).unbind(-1)
         y = expert_products(F.silu(gate) * up, down, row_experts, self.grouped_mm)
         # Back in (token, pick) order: pair i is sorted row order.argsort()[i]
         return y[order.argsort()].unflatten(0, picked.shape)
