@@ -1760,7 +1760,8 @@ def test_cli_end_to_end_streams_the_generated_text(checkpoint, request):
     tok = Tokenizer.from_file(os.path.join(tiny, "tokenizer.json"))
     eos = json.load(open(os.path.join(tiny, "generation_config.json")))["eos_token_id"]
     expected = greedy(tiny, [tok.encode("hello world").ids], max_new=12, stop_ids=eos)[0]
-    assert r.stdout == tok.decode(expected) + "\n"
+    # special tokens as generate.py's Tokenizer decodes them: shown
+    assert r.stdout == tok.decode(expected, skip_special_tokens=False) + "\n"
     assert r.stderr.startswith(f"loading {tiny}")  # said before the wait
     assert ("tok/s per row" in r.stderr and "Time to first token" in r.stderr
             and "Traceback" not in r.stderr)
