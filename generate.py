@@ -6,6 +6,7 @@
 """
 import argparse
 import dataclasses
+import functools
 import math
 import os
 import pathlib
@@ -201,13 +202,20 @@ class Generator:
         self.model = model
         self.batch = batch
         self.capacity = capacity
-        self.sampling = sampling
         self.state = DecodeState(batch, capacity, device)
-        # The fast path's products take one token; its draw, a top-k of at most MAX_TOP_K
-        self.one_token_kernels = use_kernels and batch == 1
+        # The model, or where it serves, the fast path's one-token forward (its products take one
+        # row): tokens (R, 1) at positions (R, 1), the attended length -> logits (R, 1, V)
+        self.forward_one_token = model
+        if use_kernels and batch == 1:
+            self.forward_one_token = functools.partial(qwen3_triton.forward_one_token, model)
+        # Next ids (R,) from logits (R, V): the fast path's kernel where it takes the filter, a
+        # top-k of at most MAX_TOP_K (the same tokens from the same noise, to the rounding of the
+        # top-p cut and of the noise's logarithms), else sample
         top_k = sampling.top_k if sampling.temperature > 0 else 0  # greedy: no filter
         filtered = 0 < top_k < model.args.vocab_size
-        self.top_k_kernel = use_kernels and filtered and top_k <= qwen3_triton.MAX_TOP_K
+        self.draw = functools.partial(sample, params=sampling)
+        if use_kernels and filtered and top_k <= qwen3_triton.MAX_TOP_K:
+            self.draw = functools.partial(qwen3_triton.sample_top_k, **dataclasses.asdict(sampling))
         self.compiled, self.graphed = compile, cuda_graph
         # Prompts padded to a few lengths, a graph each
         self.bucketed = compile or cuda_graph
@@ -228,15 +236,14 @@ class Generator:
         # Inductor's own random numbers differ from eager's: this makes it call eager's, so that
         # one seed gives one stream of noise in every mode. torch offers it only process-wide.
         torch._inductor.config.fallback_random = True
+        # On the CPU inductor compiles C++: a missing compiler is said now, not as its traceback
+        if self.state.tokens.device.type == "cpu":
+            from torch._inductor import cpp_builder, exc
+            try:
+                cpp_builder.get_cpp_compiler()
+            except exc.InvalidCxxCompiler:
+                raise UserError("compiling on the CPU needs a C++ compiler: install g++") from None
         return torch.compile(step, mode="reduce-overhead", fullgraph=True)
-
-    def draw(self, logits: torch.Tensor) -> torch.Tensor:
-        """Next ids (R,) from logits (R, V): the fast path's kernel where it takes the filter (the
-        same tokens from the same noise, to the rounding of the top-p cut and of the noise's
-        logarithms), else sample."""
-        if self.top_k_kernel:
-            return qwen3_triton.sample_top_k(logits, **dataclasses.asdict(self.sampling))
-        return sample(logits, self.sampling)
 
     def prefill_prompts(self, positions: torch.Tensor, kv_positions: torch.Tensor | None) -> None:
         """The prompts in state.sequences at `positions` (R, T), padded after their ends, into cache
@@ -261,11 +268,7 @@ class Generator:
         this. kv_positions: the attended prefix of the cache (its length alone is read)."""
         state = self.state
         kv_len = kv_positions.shape[0]
-        if self.one_token_kernels:
-            logits = qwen3_triton.forward_one_token(self.model, state.tokens, state.positions,
-                                                    kv_len)
-        else:
-            logits = self.model(state.tokens, state.positions, kv_len)
+        logits = self.forward_one_token(state.tokens, state.positions, kv_len)
         state.tokens.copy_(self.draw(logits[:, -1])[:, None])
         state.positions.add_(1)
         state.sequences.scatter_(1, state.positions, state.tokens)
@@ -644,9 +647,8 @@ def run(argv) -> None:
         torch.manual_seed(args.seed)
     texts = args.prompt or []
     require(texts and all(text.strip() for text in texts), "empty prompt: give --prompt TEXT")
-    split = None
-    if tp is not None and tp.launched():  # torchrun: this process is one rank of the model
-        split = tp.start(args.device)
+    # torchrun: this process is one rank of the model
+    split = tp.start(args.device) if tp and tp.launched() else None
     # Under torchrun, rank 0 alone says what happens
     talks = split is None or split.rank == 0
     if talks and not sys.stderr.isatty():  # a terminal gets a progress line instead

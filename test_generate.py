@@ -1738,6 +1738,15 @@ def test_cuda_graph_without_cuda_is_one_line_before_loading(tmp_path, capsys):
     assert "loading" not in capsys.readouterr().err
 
 
+def test_compile_without_a_cpp_compiler_is_one_line(tiny):
+    """On the CPU inductor compiles C++: where it finds no compiler (CXX names none that exists),
+    --compile is refused in one line when the Generator is made, not as inductor's traceback at
+    the first step."""
+    r = cli("--device", "cpu", "--checkpoint", tiny, "--prompt", "hi", "--compile",
+            env={"CXX": "/nonexistent/g++"})
+    one_line_error(r, "compiling on the CPU needs a C++ compiler: install g++")
+
+
 def test_compile_and_cuda_graph_are_alternatives(tiny):
     with pytest.raises(SystemExit) as e:
         G.main(["--checkpoint", tiny, "--prompt", "hi", "--compile", "--cuda-graph"])
@@ -2731,7 +2740,7 @@ def test_the_top_k_kernel_draws_where_it_takes_the_filter(tiny, monkeypatch):
     def kernel(**settings):
         sampling = G.SamplingParams(**settings)
         gen = G.Generator(model, batch=1, capacity=64, sampling=sampling, use_kernels=True)
-        return gen.top_k_kernel
+        return gen.draw.func is fast.sample_top_k
     assert kernel(temperature=0.7, top_k=20) and kernel(temperature=0.7, top_k=fast.MAX_TOP_K)
     assert not kernel(temperature=0, top_k=20) and not kernel(temperature=0.7)
     assert not kernel(temperature=0.7, top_k=fast.MAX_TOP_K + 1)
