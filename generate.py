@@ -195,6 +195,13 @@ class Generator:
         # Triton's interpreter runs the kernels on the CPU too (the tests use it)
         interpreted = os.environ.get("TRITON_INTERPRET") == "1"
         require(on_cuda or interpreted or not use_kernels, "use_kernels needs a CUDA device")
+        # On the CPU inductor compiles C++: a missing compiler is said now, not as its traceback
+        if compile and not on_cuda:
+            from torch._inductor import cpp_builder, exc
+            try:
+                cpp_builder.get_cpp_compiler()
+            except exc.InvalidCxxCompiler:
+                raise UserError("compile on the CPU needs g++ (or a C++ compiler in CXX)") from None
         most = model.args.max_position_embeddings
         require(capacity <= most, f"a cache of {capacity} positions is over the model's {most}: "
                 "ask for fewer positions")
@@ -236,13 +243,6 @@ class Generator:
         # Inductor's own random numbers differ from eager's: this makes it call eager's, so that
         # one seed gives one stream of noise in every mode. torch offers it only process-wide.
         torch._inductor.config.fallback_random = True
-        # On the CPU inductor compiles C++: a missing compiler is said now, not as its traceback
-        if self.state.tokens.device.type == "cpu":
-            from torch._inductor import cpp_builder, exc
-            try:
-                cpp_builder.get_cpp_compiler()
-            except exc.InvalidCxxCompiler:
-                raise UserError("compiling on the CPU needs a C++ compiler: install g++") from None
         return torch.compile(step, mode="reduce-overhead", fullgraph=True)
 
     def prefill_prompts(self, positions: torch.Tensor, kv_positions: torch.Tensor | None) -> None:
