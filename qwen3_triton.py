@@ -98,19 +98,24 @@ def _wait_for_previous(PDL: tl.constexpr):
 
 
 @triton.jit
-def _largest(values, ids, K: tl.constexpr, KB: tl.constexpr):
+def _largest(values, ids, K: tl.constexpr, KB: tl.constexpr, BITONIC: tl.constexpr):
     # The K largest of fp32 `values` and their int32 `ids`, largest first (ties to the lower id):
-    # vectors of KB (K rounded up to a power of two), -inf past K. K rounds of one maximum each,
-    # over int64 keys: the value's bits, negative values' magnitude bits flipped so that the keys
-    # order as the values do, over 2^31 - 1 - the id.
+    # vectors of KB (K rounded up to a power of two), -inf past K. Found among int64 keys: the
+    # value's bits, negative values' magnitude bits flipped so that the keys order as the values
+    # do, over 2^31 - 1 - the id. BITONIC: by a bitonic top-k (tl.topk; KB 2 or more), else in K
+    # rounds of one maximum each. The H200 takes a MoE router's 8 picks of 128 faster the first
+    # way, the sampler's 20 of 2,048 the second (bench/RESULTS.md).
     bits = values.to(tl.int32, bitcast=True)
     keys = (bits ^ (bits >> 31 & 0x7FFFFFFF)).to(tl.int64) << 32 | (0x7FFFFFFF - ids)
     rank = tl.arange(0, KB)
-    top = tl.zeros([KB], tl.int64)
-    for i in range(K):
-        best = tl.max(keys, axis=0)
-        top = tl.where(rank == i, best, top)
-        keys = tl.where(keys == best, -2 ** 63, keys)
+    if BITONIC:
+        top = tl.topk(keys, KB)
+    else:
+        top = tl.zeros([KB], tl.int64)
+        for i in range(K):
+            best = tl.max(keys, axis=0)
+            top = tl.where(rank == i, best, top)
+            keys = tl.where(keys == best, -2 ** 63, keys)
     bits = (top >> 32).to(tl.int32)
     values = (bits ^ (bits >> 31 & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
     return tl.where(rank < K, values, float("-inf")), 0x7FFFFFFF - (top & 0x7FFFFFFF).to(tl.int32)
@@ -127,7 +132,7 @@ def _route(router, EXPERTS: tl.constexpr, TOP_K: tl.constexpr, NORM_TOPK: tl.con
     p = tl.exp(p - tl.max(p, axis=0))
     p = p / tl.sum(p, axis=0)
     # the picks, most probable first (ties to the lower id, as argmax's); 0 past TOP_K
-    probs, ids = _largest(p, e, TOP_K, KB)
+    probs, ids = _largest(p, e, TOP_K, KB, BITONIC=True)
     weights = tl.where(tl.arange(0, KB) < TOP_K, probs, 0.0)
     if NORM_TOPK:
         weights = weights / tl.sum(weights, axis=0)
@@ -345,9 +350,10 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | 
         config = dict(BN=2, BK=2048, num_warps=2)
     # int4: whole groups a block
     config = dict(config, BK=max(config["BK"], group // pack))
+    # _route's picks: vectors of 2 or more (tl.topk)
     routing = dict(EXPERTS=experts, TOP_K=top_k, NORM_TOPK=norm_topk_prob, ROUTED=routed,
-                   EB=triton.next_power_of_2(max(experts, 1)),
-                   KB=triton.next_power_of_2(max(top_k, 1)))
+                   EB=triton.next_power_of_2(max(experts, 2)),
+                   KB=triton.next_power_of_2(max(top_k, 2)))
     # routed: a program a pick, each writing its row of `picks` (top_k, 1, N) in fp32, which
     # _add_rows then sums with the residual
     picks = x.new_empty(top_k, 1, N, dtype=torch.float32) if routed else out
@@ -543,7 +549,7 @@ def _chunk_top_k(logits, row_stride, V, top, top_ids, K: tl.constexpr, KB: tl.co
     r, c = tl.program_id(0), tl.program_id(1)
     ids = c * CHUNK + tl.arange(0, CHUNK)
     values = tl.load(logits + r * row_stride + ids, mask=ids < V, other=float("-inf"))
-    best, best_ids = _largest(values, ids, K, KB)
+    best, best_ids = _largest(values, ids, K, KB, BITONIC=False)
     rank = tl.arange(0, KB)
     at = (r * tl.num_programs(1) + c) * K + rank
     tl.store(top + at, best, mask=rank < K)
@@ -562,7 +568,7 @@ def _draw(top, top_ids, count, noise, out, inv_temperature, top_p, K: tl.constex
     mask = at < count
     values = tl.load(top + r * count + at, mask=mask, other=float("-inf"))
     ids = tl.load(top_ids + r * count + at, mask=mask, other=0)
-    best, best_ids = _largest(values, ids, K, KB)
+    best, best_ids = _largest(values, ids, K, KB, BITONIC=False)
     rank = tl.arange(0, KB)
     scores = best * inv_temperature
     if TOP_P:

@@ -2605,15 +2605,16 @@ def quantized_linear(weight, group_size):
 
 
 @pytest.mark.parametrize("device,dtype,tol", KERNEL_RUNS)
-@pytest.mark.parametrize("mode,norm_topk_prob", [(None, True), ("int8", False), ("int4", True)])
+@pytest.mark.parametrize("mode,norm_topk_prob,top_k",
+                         [(None, True, 3), ("int8", False, 3), ("int4", True, 3), (None, True, 1)])
 def test_kernel_gemv_of_picked_experts_matches_reference_ops(device, dtype, tol, mode,
-                                                             norm_topk_prob):
+                                                             norm_topk_prob, top_k):
     """A MoE layer's two products, the experts picked by the kernels from the router's logits:
     gate-up of each pick (RMSNorm and the SiLU gate fused), and down of each pick's input,
     weighted by its routing weight and summed with the residual. 6 experts (not a power of two), 3
-    picks; float weights, or quantize.py's int8 or int4 (in groups of 8 columns)."""
+    picks, or 1; float weights, or quantize.py's int8 or int4 (in groups of 8 columns)."""
     torch.manual_seed(0)
-    E, N, K, top_k = 6, 40, 48, 3
+    E, N, K = 6, 40, 48
     x = torch.randn(1, 1, K, device=device, dtype=dtype)
     logits = torch.randn(E, device=device, dtype=dtype) * 3
     norm = torch.nn.RMSNorm(K, 1e-6).to(device, dtype)
