@@ -84,6 +84,7 @@ def read_turn(interactive: bool) -> str:
     (readline's editing, where Python has it), or read from a pipe; "" at the end of the input."""
     try:
         if interactive:
+            optional("readline")  # input()'s line editing, where Python has it
             line = input("> ")
         else:  # bytes: a line that is not UTF-8 is refused alone, the next ones still read
             line = sys.stdin.buffer.readline().decode()
@@ -98,6 +99,9 @@ def read_turn(interactive: bool) -> str:
 
 def converse(argv) -> None:
     args = generate.parse_args(argv, __doc__, prompts=False)
+    # torchrun (which sets LOCAL_RANK) would start a whole chat in each process: tp.py splits
+    # generate.py's model alone
+    require("LOCAL_RANK" not in os.environ, "chat.py is one process: run it without torchrun")
     require(sys.stdin, "stdin is closed: give the turns a terminal or a pipe")
     if args.seed is not None:
         torch.manual_seed(args.seed)
@@ -115,8 +119,6 @@ def converse(argv) -> None:
     chat = Conversation(checkpoint, gen, args.system, not args.no_think, stop_ids=stop_ids,
                         max_new=args.max_new_tokens, check_every=args.check_every)
     interactive = sys.stdin.isatty()
-    if interactive:  # input() edits lines with readline, where Python has it
-        optional("readline")
     while True:
         # Ctrl-C at the prompt ends the conversation; during a reply, the reply (in generate())
         try:

@@ -3011,7 +3011,8 @@ def test_cuda_chat_one_text_in_every_mode_with_no_host_sync_in_a_step(checkpoint
 
 
 def test_chat_refuses_bad_flags_and_a_closed_stdin_before_any_turn(tiny):
-    """Flags that would fail every turn, and a closed stdin: one line, exit 1, no turn taken."""
+    """Flags that would fail every turn, a closed stdin, and torchrun: one line, exit 1, no turn
+    taken."""
     chat_py = os.path.join(HERE, "chat.py")
     for args, message in [(["--stop-ids", "-5"], "--stop-ids: token ids are 0 or more"),
                           (["--stop-ids", "512"], "--stop-ids: ids in [0, 512)"),
@@ -3023,3 +3024,7 @@ def test_chat_refuses_bad_flags_and_a_closed_stdin_before_any_turn(tiny):
     command = f"{sys.executable} {chat_py} --device cpu --checkpoint {tiny} <&-"
     r = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300)
     one_line_error(r, "stdin is closed")
+    r = cli("--device", "cpu", "--checkpoint", tiny, stdin="hi\n", script=chat_py,
+            env={"LOCAL_RANK": "0"})
+    one_line_error(r, "chat.py is one process: run it without torchrun")
+    assert "prefilled" not in r.stderr
