@@ -464,7 +464,7 @@ def load_model(path: str, device="cpu", dtype: torch.dtype | None = None,
     require(quantize or not quantization, f"{path} is {quantization}: loading it needs quantize.py")
     args = model_args(config)
     if split is not None:
-        args = split.rank_args(args)
+        args = split.rank_args(args, config)
     with torch.device("meta"):
         model = Transformer(args)
         if quantization:

@@ -74,17 +74,28 @@ class TensorParallel:
     device: torch.device
     args: ModelArgs | None = None  # the whole model's, from rank_args
 
-    def rank_args(self, args: ModelArgs) -> ModelArgs:
-        """The shapes of this rank's share of the model `args`."""
+    def rank_args(self, args: ModelArgs, config: dict) -> ModelArgs:
+        """The shapes of this rank's share of the model `args`, from config.json `config`."""
         self.args = args
         sizes = {"num_attention_heads": args.num_attention_heads,
                  "intermediate_size": args.intermediate_size,
                  "moe_intermediate_size": args.moe_intermediate_size}
         kv_heads = args.num_key_value_heads
+        # int4: a rank's share of o_proj's and down_proj's input columns must be whole groups
+        group = 1
+        if config["quantization"]:  # load_model has found quantize.py, which reads it
+            import quantize
+            group = quantize.group_size_of(config) or 1  # None: int8, a scale a row
+        widths = [args.num_attention_heads * args.head_dim, args.intermediate_size]
+        if args.num_experts:
+            widths.append(args.moe_intermediate_size)
         fits = [n for n in range(1, 65) if all(size % n == 0 for size in sizes.values())
-                and (kv_heads % n == 0 or n % kv_heads == 0)]
+                and (kv_heads % n == 0 or n % kv_heads == 0)
+                and all(width % (n * group) == 0 for width in widths)]
         if self.world not in fits:
-            raise UserError(f"{self.world} processes can't split this model: use one of {fits}")
+            grouped = f" into whole int4 groups of {group}" if group > 1 else ""
+            raise UserError(f"{self.world} processes can't split this model{grouped}: "
+                            f"use one of {fits}")
         shares = {name: size // self.world for name, size in sizes.items()}
         local_kv = max(kv_heads // self.world, 1)
         return dataclasses.replace(args, **shares, num_key_value_heads=local_kv)
