@@ -2437,8 +2437,8 @@ def test_tensor_parallel_reads_each_rank_its_share(world, tmp_path):
     # 40 inputs an expert's down_proj: 20 a rank, 2 groups and a half
     path = quantized_of(tmp_path / "ragged", "int4", moe={})
     split = tp.TensorParallel(1, 2, torch.device("cpu"))
-    with pytest.raises(UserError, match=r"^2 processes can't split this model into whole int4 "
-                                        r"groups of 8: use one of \[1\]$"):
+    with pytest.raises(UserError, match=r"^2 processes can't split this model \(int4: in whole "
+                                        r"groups of 8\): use one of \[1\]$"):
         G.load_model(path, split=split)
 
 

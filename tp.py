@@ -93,7 +93,7 @@ class TensorParallel:
                 and (kv_heads % n == 0 or n % kv_heads == 0)
                 and all(width % (n * group) == 0 for width in widths)]
         if self.world not in fits:
-            grouped = f" into whole int4 groups of {group}" if group > 1 else ""
+            grouped = f" (int4: in whole groups of {group})" if group > 1 else ""
             raise UserError(f"{self.world} processes can't split this model{grouped}: "
                             f"use one of {fits}")
         shares = {name: size // self.world for name, size in sizes.items()}
