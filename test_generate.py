@@ -3,6 +3,7 @@
 Topics in order: model parity, cache, converter, sampling, decode modes, CLI, kernels. Tests marked
 needs_cuda skip without a GPU; the kernel tests also run on the CPU in Triton's interpreter, in a
 subprocess."""
+import importlib
 import inspect
 import io
 import json
@@ -10,6 +11,7 @@ import os
 import pathlib
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -41,6 +43,9 @@ OLD_INTERPRETER = fast is not None and TRITON < (3, 9)
 HERE = os.path.dirname(os.path.abspath(__file__))
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+# A subprocess's limit, for a hang alone: many times what the slowest (a torchrun of 4 ranks in
+# Triton's interpreter) takes on a busy 2-core machine
+LIMIT = 1800
 VOCAB = 512
 GREEDY = G.SamplingParams()
 
@@ -201,10 +206,41 @@ def greedy(path, prompts, max_new=24, check_every=5, stop_ids=(), capacity=512, 
                         check_every=check_every)[0]
 
 
-def cli(*args, stdin=None, cwd=None, env=None, script=None):
-    """generate.py (or `script`) run as a user runs it, on the CPU."""
-    command = [sys.executable, script or os.path.join(HERE, "generate.py"), *args]
-    return subprocess.run(command, capture_output=True, text=True, input=stdin, timeout=300,
+def cli(*args, stdin=None, env=None, script="generate.py"):
+    """A command (generate.py, or `script`: the converter, quantize.py, chat.py) run as a user runs
+    it, on the CPU, in this process: its main(argv) with stdin, stdout and stderr of its own and
+    `env` added to the environment; SystemExit becomes the exit status, as Python makes it (a
+    message: on stderr, status 1). Tests where the process itself is the point (signals, closed
+    streams, imports) start one with run_process."""
+    module = importlib.import_module(os.path.basename(script).removesuffix(".py"))
+    streams = sys.stdin, sys.stdout, sys.stderr
+    # main() sets SIGTERM's and SIGHUP's handlers (stop_on_signals): pytest's are put back after
+    handlers = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGHUP)}
+    environment = dict(os.environ)
+    out, err = io.StringIO(), io.StringIO()
+    sys.stdin, sys.stdout, sys.stderr = io.StringIO(stdin or ""), out, err
+    os.environ.update(env or {})
+    try:
+        module.main(list(args))
+        status = 0
+    except SystemExit as e:
+        status = e.code or 0
+    finally:
+        sys.stdin, sys.stdout, sys.stderr = streams
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
+        os.environ.clear()
+        os.environ.update(environment)
+    if isinstance(status, str):
+        err.write(status + "\n")
+        status = 1
+    return subprocess.CompletedProcess(args, status, out.getvalue(), err.getvalue())
+
+
+def run_process(script, *args, stdin=None, cwd=None, env=None):
+    """`script` run by a new Python process, on the CPU, as a user runs it."""
+    command = [sys.executable, script, *args]
+    return subprocess.run(command, capture_output=True, text=True, input=stdin, timeout=LIMIT,
                           cwd=cwd, env={**os.environ, **(env or {})})
 
 
@@ -217,7 +253,7 @@ def with_patch(patch, script, *args, stdin=None):
                       textwrap.dedent(patch),
                       f"{script.removesuffix('.py')}.main()"])
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, input=stdin,
-                          timeout=300)
+                          timeout=LIMIT)
 
 
 # For with_patch: Ctrl-C pressed while the text of the second check (the first decode steps) is
@@ -525,7 +561,7 @@ def test_model_py_alone_runs_the_pytorch_path(tiny, tmp_path):
         assert not ours & set(sys.modules)
         torch.save(logits, {str(tmp_path / "logits.pt")!r})""")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
-                       timeout=300)
+                       timeout=LIMIT)
     assert r.returncode == 0, r.stderr
     want = forward(load(tiny), [1, 2, 3])[None]
     assert torch.allclose(torch.load(tmp_path / "logits.pt"), want, atol=1e-6)
@@ -539,23 +575,23 @@ def test_the_card_files_work_without_the_fast_path(tiny, tmp_path):
     hf_checkpoint(str(tmp_path / "hf"))
     env = {"PYTHONPATH": ""}
     script = str(tmp_path / "convert_hf_checkpoint.py")
-    r = cli("--checkpoint-dir", str(tmp_path / "hf"), script=script, cwd=tmp_path, env=env)
+    r = run_process(script, "--checkpoint-dir", str(tmp_path / "hf"), cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr
     # Seeded: the checkpoint's sampling could otherwise draw an eos before the fifth token
-    r = cli("--checkpoint", str(tmp_path / "hf" / "converted"), "--prompt", "hello",
-            "--max-new-tokens", "5", "--seed", "0", "--device", "cpu",
-            script=str(tmp_path / "generate.py"), cwd=tmp_path, env=env)
+    r = run_process(str(tmp_path / "generate.py"), "--checkpoint",
+                    str(tmp_path / "hf" / "converted"), "--prompt", "hello", "--max-new-tokens",
+                    "5", "--seed", "0", "--device", "cpu", cwd=tmp_path, env=env)
     assert r.returncode == 0 and "5 new tokens" in r.stderr, r.stderr
     assert not os.path.exists(tmp_path / "qwen3_triton.py")
     # int8 needs quantize.py: one line, nothing written
-    r = cli("--checkpoint-dir", str(tmp_path / "hf"), "--quantize", "int8", script=script,
-            cwd=tmp_path, env=env)
+    r = run_process(script, "--checkpoint-dir", str(tmp_path / "hf"), "--quantize", "int8",
+                    cwd=tmp_path, env=env)
     assert r.returncode == 1 and r.stderr == "error: int8 needs quantize.py beside this file\n"
     assert not (tmp_path / "hf" / "converted-int8").exists()
     shutil.copytree(tmp_path / "hf" / "converted", tmp_path / "int8")
     edit_json(tmp_path / "int8" / "config.json", quantization="int8")
-    r = cli("--checkpoint", str(tmp_path / "int8"), "--prompt", "hello", "--device", "cpu",
-            script=str(tmp_path / "generate.py"), cwd=tmp_path, env=env)
+    r = run_process(str(tmp_path / "generate.py"), "--checkpoint", str(tmp_path / "int8"),
+                    "--prompt", "hello", "--device", "cpu", cwd=tmp_path, env=env)
     want = f"error: {tmp_path / 'int8'} is int8: loading it needs quantize.py\n"
     assert r.returncode == 1 and r.stderr.endswith(want), r.stderr
 
@@ -848,12 +884,14 @@ def test_convert_never_replaces_anything(snapshot, tmp_path, capsys, monkeypatch
     assert {p.name: p.read_bytes() for p in out.iterdir()} == written
 
 
-def test_convert_ctrl_c_exits_130_and_leaves_nothing(snapshot, tmp_path):
+def test_convert_ctrl_c_exits_130_and_leaves_nothing(snapshot, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    patch = "convert_hf_checkpoint.save_file = lambda *args: " \
-            "(_ for _ in ()).throw(KeyboardInterrupt)"
-    r = with_patch(patch, "convert_hf_checkpoint.py", "--checkpoint-dir", str(snapshot),
-                   "--output", str(out))
+
+    def pressed(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(convert, "save_file", pressed)
+    r = cli("--checkpoint-dir", str(snapshot), "--output", str(out),
+            script="convert_hf_checkpoint.py")
     assert (r.returncode == 130 and "Traceback" not in r.stderr
             and r.stderr.strip().count("\n") == 0), r.stderr
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
@@ -940,9 +978,9 @@ def test_convert_argument_errors_are_one_line(snapshot, capsys):
                           ([], "the following arguments are required: --checkpoint-dir")]:
         assert message in convert_error(argv, capsys)
     r = cli("--checkpoint-dir", str(snapshot), "--shard-size-mb", "0",
-            script=os.path.join(HERE, "convert_hf_checkpoint.py"))
+            script="convert_hf_checkpoint.py")
     one_line_error(r, "must be at least 1")  # exit 1, as generate.py's
-    r = cli("--help", script=os.path.join(HERE, "convert_hf_checkpoint.py"))
+    r = cli("--help", script="convert_hf_checkpoint.py")
     assert r.returncode == 0 and convert.__doc__.split("\n\n")[0].split()[-1] in r.stdout.split()
     # the whole first paragraph
     assert " ".join(r.stdout.split()).count("snapshot into qwen3-fast weights.") == 1
@@ -965,7 +1003,7 @@ def test_convert_cli_prints_one_line(snapshot):
     cfg["architectures"] = ["Qwen2ForCausalLM"]
     json.dump(cfg, open(snapshot / "config.json", "w"))
     r = cli("--checkpoint-dir", str(snapshot),
-            script=os.path.join(HERE, "convert_hf_checkpoint.py"))
+            script="convert_hf_checkpoint.py")
     one_line_error(r, "Qwen2ForCausalLM")
 
 
@@ -1041,13 +1079,13 @@ def test_int8_modules_equal_their_dequantized_weights(tmp_path, moe):
     assert any(isinstance(m, Q.QuantizedExperts) for m in q8.modules()) == (moe is not None)
     prompt = list(range(1, 30))
     assert (forward(q8, prompt) - forward(plain, prompt)).abs().max() <= 1e-4
-    r = cli("--checkpoint", path, "--mode", "int8", script=os.path.join(HERE, "quantize.py"))
+    r = cli("--checkpoint", path, "--mode", "int8", script="quantize.py")
     assert r.returncode == 0 and r.stderr == f"wrote {path}-int8\n" and not r.stdout, r.stderr
     ours, theirs = (read_all(p) for p in (path + "-int8", tmp_path / "int8"))
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     assert json.load(open(path + "-int8/config.json"))["quantization"] == "int8"
     r = cli("--checkpoint", path + "-int8", "--mode", "int8",
-            script=os.path.join(HERE, "quantize.py"))
+            script="quantize.py")
     assert r.returncode == 1 and r.stderr == f"error: {path}-int8 is already int8\n"
 
 
@@ -1134,7 +1172,7 @@ def test_int4_modules_equal_their_dequantized_weights(tmp_path, moe):
     hf, path = converted(tmp_path, moe=moe, **INT4_SHAPES)
     one_pass = tmp_path / "hf" / "converted-int4"
     r = cli("--checkpoint-dir", str(tmp_path / "hf"), "--quantize", "int4",
-            script=os.path.join(HERE, "convert_hf_checkpoint.py"))
+            script="convert_hf_checkpoint.py")
     assert r.returncode == 0 and r.stderr == f"wrote {one_pass}\n", r.stderr
     script = os.path.join(HERE, "quantize.py")
     r = cli("--checkpoint", path, "--mode", "int4", script=script)
@@ -1210,7 +1248,7 @@ def test_int4_bad_inputs_are_one_line(tiny, tmp_path, snapshot):
         one_line_error(r, message)
         assert not os.path.exists(out)
     r = cli("--checkpoint-dir", str(snapshot), "--quantize", "int4", "--output", out,
-            script=os.path.join(HERE, "convert_hf_checkpoint.py"))
+            script="convert_hf_checkpoint.py")
     one_line_error(r, "its 64 input columns are no multiple of the group size 128")
     assert not os.path.exists(out)
     Q.quantize_checkpoint(tiny, out, "int4", 16)
@@ -1741,9 +1779,9 @@ def test_cuda_graph_without_cuda_is_one_line_before_loading(tmp_path, capsys):
 def test_compile_without_a_cpp_compiler_is_one_line(tiny):
     """On the CPU inductor compiles C++: where it finds no compiler (CXX names none that exists),
     --compile is refused in one line when the Generator is made, not as inductor's traceback at
-    the first step."""
-    r = cli("--device", "cpu", "--checkpoint", tiny, "--prompt", "hi", "--compile",
-            env={"CXX": "/nonexistent/g++"})
+    the first step. A process of its own: torch looks for the compiler once a process."""
+    r = run_process(os.path.join(HERE, "generate.py"), "--device", "cpu", "--checkpoint", tiny,
+                    "--prompt", "hi", "--compile", env={"CXX": "/nonexistent/g++"})
     one_line_error(r, "compile on the CPU needs g++ (or a C++ compiler in CXX)")
 
 
@@ -1882,19 +1920,27 @@ def test_convert_copies_the_chat_template_file(tmp_path):
     assert G.Tokenizer(str(tmp_path / "out")).chat(user_says("hey")) == "hey!"
 
 
-def test_cli_ctrl_c_prints_what_was_generated_and_exits_130(tiny):
+def ctrl_c_at_the_second_check(monkeypatch):
+    """CTRL_C_AT_THE_SECOND_CHECK in this process, its count from zero; undone after the test."""
+    monkeypatch.undo()
+    monkeypatch.setattr(G.TextStream, "__call__", G.TextStream.__call__)
+    exec(textwrap.dedent(CTRL_C_AT_THE_SECOND_CHECK), {"generate": G})
+
+
+def test_cli_ctrl_c_prints_what_was_generated_and_exits_130(tiny, monkeypatch):
     # sampled: a random model's greedy text may be all invisible
     args = ["--device", "cpu", "--checkpoint", tiny, "--max-new-tokens", "100",
             "--check-every", "2", "--temperature", "1", "--seed", "0"]
     full = cli(*args, "--prompt", "hello").stdout
-    r = with_patch(CTRL_C_AT_THE_SECOND_CHECK, "generate.py", *args, "--prompt", "hello")
+    ctrl_c_at_the_second_check(monkeypatch)
+    r = cli(*args, "--prompt", "hello")
     assert r.returncode == 130 and "Traceback" not in r.stderr, r.stderr
     assert (len(r.stdout) > 1 and full.startswith(r.stdout.removesuffix("\n"))
             and len(r.stdout) < len(full))
     # The report of what was made: the two checks' tokens
     assert r.stderr.splitlines()[-1].startswith("Interrupted: 3 new tokens in 1 row."), r.stderr
-    r = with_patch(CTRL_C_AT_THE_SECOND_CHECK, "generate.py", *args, "--prompt", "hello",
-                   "--prompt", "world")
+    ctrl_c_at_the_second_check(monkeypatch)
+    r = cli(*args, "--prompt", "hello", "--prompt", "world")
     assert r.returncode == 130 and "Traceback" not in r.stderr, r.stderr
     assert r.stdout.startswith("--- hello\n") and "--- world\n" in r.stdout
 
@@ -1925,7 +1971,7 @@ sys.meta_path.insert(0, Pressed())
 sys.argv = [{script!r}]  # never parsed: the imports come first
 runpy.run_path({os.path.join(HERE, script)!r}, run_name="__main__")
 """
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=LIMIT)
     assert r.returncode == 130 and r.stdout == "" and "Traceback" not in r.stderr, r.stderr
 
 
@@ -2039,7 +2085,7 @@ def test_cli_stdout_closed_early_exits_quietly(tiny):
     os.close(read)
     command = [sys.executable, os.path.join(HERE, "generate.py"), "--device", "cpu",
                "--checkpoint", tiny, "--prompt", "hello", "--max-new-tokens", "8"]
-    r = subprocess.run(command, stdout=write, stderr=subprocess.PIPE, text=True, timeout=300)
+    r = subprocess.run(command, stdout=write, stderr=subprocess.PIPE, text=True, timeout=LIMIT)
     os.close(write)
     assert r.returncode == 141 and "Traceback" not in r.stderr and "Error" not in r.stderr, r.stderr
 
@@ -2047,7 +2093,7 @@ def test_cli_stdout_closed_early_exits_quietly(tiny):
 def test_cli_invalid_utf8_prompt_is_one_line(tiny):
     command = [sys.executable, os.path.join(HERE, "generate.py"), "--device", "cpu",
                "--checkpoint", tiny, "--prompt", b"caf\xe9"]
-    r = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(command, capture_output=True, text=True, timeout=LIMIT)
     one_line_error(r, "is not valid UTF-8 text")
 
 
@@ -2102,7 +2148,7 @@ def test_loading_and_an_eager_generation_never_import_dynamo(tiny):
                            compile=True)
         assert "torch._dynamo" in sys.modules  # the check can fail"""
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                       text=True, timeout=300)
+                       text=True, timeout=LIMIT)
     assert r.returncode == 0, r.stderr
 
 
@@ -2136,7 +2182,7 @@ def tty_stderr(command: list[str]) -> tuple[int, str]:
             break
         written += chunk
     os.close(main)
-    return process.wait(timeout=300), written.decode()
+    return process.wait(timeout=LIMIT), written.decode()
 
 
 def test_progress_lines_on_a_terminal_alone(snapshot, tmp_path):
@@ -2215,7 +2261,7 @@ def test_config_values_refused_in_one_line_by_both_commands(snapshot, tiny, tmp_
     edit_json(snapshot / "config.json", rms_norm_eps=float("nan"))
     out = tmp_path / "out"
     r = cli("--checkpoint-dir", str(snapshot), "--output", str(out),
-            script=os.path.join(HERE, "convert_hf_checkpoint.py"))
+            script="convert_hf_checkpoint.py")
     assert r.returncode == 1 and r.stderr == ("error: config.json: rms_norm_eps is nan, not a "
                                               "valid value\n") and not out.exists(), r.stderr
     copy = tmp_path / "copy"
@@ -2232,7 +2278,7 @@ def test_cli_with_a_closed_stream_stops_before_any_work(tiny, closed):
     where stderr is open."""
     script = os.path.join(HERE, "generate.py")
     r = subprocess.run([sys.executable, script, "--checkpoint", tiny, "--prompt", "hi", "--device",
-                        "cpu"], capture_output=closed == 1, text=True, timeout=300,
+                        "cpu"], capture_output=closed == 1, text=True, timeout=LIMIT,
                        preexec_fn=lambda: os.close(closed))
     assert r.returncode == 1
     if closed == 1:
@@ -2301,12 +2347,12 @@ def test_a_full_stdout_is_one_line(tiny, snapshot, tmp_path):
     with open("/dev/full", "w") as full:
         command = [sys.executable, os.path.join(HERE, "generate.py"), "--device", "cpu",
                    "--checkpoint", tiny, "--prompt", "hi", "--max-new-tokens", "4"]
-        r = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+        r = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, text=True, timeout=LIMIT)
         one_line_error(r, "[Errno 28] No space left on device")
         # The converter writes nothing to stdout: its one message is on stderr
         command = [sys.executable, os.path.join(HERE, "convert_hf_checkpoint.py"),
                    "--checkpoint-dir", str(snapshot), "--output", str(tmp_path / "out")]
-        r = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+        r = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, text=True, timeout=LIMIT)
         assert r.returncode == 0 and r.stderr == f"wrote {tmp_path / 'out'}\n", r.stderr
         assert (tmp_path / "out" / "config.json").is_file()
 
@@ -2367,7 +2413,7 @@ def run_split(path, tmp_path, processes, kernels=False):
     env = torchrun_env(tmp_path)
     if kernels:
         env["TRITON_INTERPRET"] = "1"
-    r = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    r = subprocess.run(command, capture_output=True, text=True, timeout=LIMIT, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     return [torch.load(out / f"{rank}.pt") for rank in range(max(processes, 1))]
 
@@ -2483,7 +2529,7 @@ def test_tensor_parallel_a_world_that_does_not_split_the_model_is_one_line(tiny,
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
                os.path.join(HERE, "generate.py"), "--device", "cpu", "--checkpoint", tiny,
                "--prompt", "hi"]
-    r = subprocess.run(command, capture_output=True, text=True, timeout=300,
+    r = subprocess.run(command, capture_output=True, text=True, timeout=LIMIT,
                        env=torchrun_env(tmp_path))
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.returncode != 0 and errors == [
@@ -2503,7 +2549,7 @@ def test_tensor_parallel_a_ranks_own_failure_reaches_its_stderr(tmp_path):
             raise RuntimeError("rank 1 alone fails")"""))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                str(script)]
-    r = subprocess.run(command, capture_output=True, text=True, timeout=300,
+    r = subprocess.run(command, capture_output=True, text=True, timeout=LIMIT,
                        env=torchrun_env(tmp_path))
     assert r.returncode != 0 and "RuntimeError: rank 1 alone fails" in r.stderr, r.stderr[-2000:]
 
@@ -2513,7 +2559,7 @@ def test_the_converter_imports_no_generator_fast_path_or_tp():
     ours = "{'generate', 'qwen3_triton', 'tp', 'triton', 'quantize'}"
     code = f"import sys, convert_hf_checkpoint\nassert not {ours} & set(sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE,
-                       timeout=300)
+                       timeout=LIMIT)
     assert r.returncode == 0, r.stderr
 
 
@@ -2523,7 +2569,7 @@ def test_tensor_parallel_cli_streams_from_rank_0_alone(tiny, tmp_path):
             "--temperature", "0"]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                os.path.join(HERE, "generate.py"), *args]
-    r = subprocess.run(command, capture_output=True, text=True, timeout=300,
+    r = subprocess.run(command, capture_output=True, text=True, timeout=LIMIT,
                        env=torchrun_env(tmp_path))
     alone = cli(*args)
     assert r.returncode == 0 and r.stdout == alone.stdout, r.stderr[-2000:]
@@ -2788,7 +2834,7 @@ def test_kernels_in_triton_interpreter(request):
     selected = "interpreter and not in_triton_interpreter"
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
                "-k", selected]
-    r = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=HERE,
+    r = subprocess.run(command, capture_output=True, text=True, timeout=LIMIT, cwd=HERE,
                        env={**os.environ, "TRITON_INTERPRET": "1"})
     assert r.returncode == 0, r.stdout[-3000:]
     summary = r.stdout.strip().splitlines()[-1]
@@ -2957,7 +3003,7 @@ def test_chat_through_a_pipe(tiny):
                       f"sys.argv = ['chat.py', *{args!r}]", "import generate, chat",
                       textwrap.dedent(CTRL_C_AT_THE_SECOND_CHECK), "chat.main()"])
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, input=stdin,
-                       timeout=300)
+                       timeout=LIMIT)
     stderr = r.stderr.decode().splitlines()
     assert r.returncode == 0, stderr
     reports = [line for line in stderr if "prefilled" in line]
@@ -3022,7 +3068,7 @@ def test_chat_refuses_bad_flags_and_a_closed_stdin_before_any_turn(tiny):
         one_line_error(r, message)
         assert "prefilled" not in r.stderr
     command = f"{sys.executable} {chat_py} --device cpu --checkpoint {tiny} <&-"
-    r = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=LIMIT)
     one_line_error(r, "stdin is closed")
     r = cli("--device", "cpu", "--checkpoint", tiny, stdin="hi\n", script=chat_py,
             env={"LOCAL_RANK": "0"})
