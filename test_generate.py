@@ -2359,37 +2359,47 @@ def test_a_full_stdout_is_one_line(tiny, snapshot, tmp_path):
 
 # ---------------------------------------------------------------- tensor parallelism (tp.py)
 
-# Run by each process of a torchrun (and once alone, as the reference): the logits of a prefill
-# and of 32 greedy steps through the model, then the tokens of Generator runs, greedy and sampled,
-# of one prompt and of a batch; with kernels, one prompt through the fast path (Triton's
-# interpreter).
+# Run by each process of a torchrun, for each checkpoint it is given: the logits of a prefill and
+# of 32 greedy steps through the rank's share of the model, then the tokens of Generator runs,
+# greedy and sampled, of one prompt and of a batch; with kernels, one prompt through the fast path
+# (Triton's interpreter). Rank 0 then runs the same through the whole model, as one process does
+# without torchrun: the reference.
 TP_SCRIPT = """
 import sys
 import torch
 sys.path.insert(0, {here!r})
 import generate as G, tp
-path, out, kernels = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
-split = tp.start(torch.device("cpu")) if tp.launched() else None
-model = G.load(path, "cpu", torch.float32, split).model
-model.setup_cache(1, 96)
-tokens = torch.tensor([[5, 3, 9, 27, 4, 11, 2, 8]])
-logits = []
-with torch.no_grad():
-    logits.append(model(tokens, torch.arange(8)[None])[0])
-    for step in range(32):
-        token = logits[-1][-1].argmax()[None, None]
-        position = torch.tensor([[8 + step]])
-        logits.append(model(token, position, 9 + step)[0])
-runs = []
-for prompts in ([[5, 3, 9]], [[5, 3, 9], [7, 1, 2, 6, 30, 4]]):
-    for sampling in (G.SamplingParams(), G.SamplingParams(temperature=1.0, top_k=40, top_p=0.9)):
-        torch.manual_seed(0)
-        fast = kernels and len(prompts) == 1 and sampling.temperature == 0
-        gen = G.Generator(model, batch=len(prompts), capacity=96, sampling=sampling,
-                          use_kernels=fast)
-        runs.append(gen.generate(prompts, max_new=32, stop_ids=set())[0])
-rank = split.rank if split else 0
-torch.save(dict(logits=torch.cat(logits), runs=runs), f"{{out}}/{{rank}}.pt")
+
+
+def outputs(path, kernels, split):
+    model = G.load(path, "cpu", torch.float32, split).model
+    model.setup_cache(1, 96)
+    tokens = torch.tensor([[5, 3, 9, 27, 4, 11, 2, 8]])
+    logits = []
+    with torch.no_grad():
+        logits.append(model(tokens, torch.arange(8)[None])[0])
+        for step in range(32):
+            token = logits[-1][-1].argmax()[None, None]
+            position = torch.tensor([[8 + step]])
+            logits.append(model(token, position, 9 + step)[0])
+    runs = []
+    for prompts in ([[5, 3, 9]], [[5, 3, 9], [7, 1, 2, 6, 30, 4]]):
+        for sampling in (G.SamplingParams(),
+                         G.SamplingParams(temperature=1.0, top_k=40, top_p=0.9)):
+            torch.manual_seed(0)
+            fast = kernels and len(prompts) == 1 and sampling.temperature == 0
+            gen = G.Generator(model, batch=len(prompts), capacity=96, sampling=sampling,
+                              use_kernels=fast)
+            runs.append(gen.generate(prompts, max_new=32, stop_ids=set())[0])
+    return dict(logits=torch.cat(logits), runs=runs)
+
+
+out, *cases = sys.argv[1:]  # then a case's name, its checkpoint and 1 or 0 (kernels), each case
+split = tp.start(torch.device("cpu"))
+for name, path, kernels in zip(cases[::3], cases[1::3], cases[2::3]):
+    torch.save(outputs(path, kernels == "1", split), f"{{out}}/{{name}}-{{split.rank}}.pt")
+    if split.rank == 0:
+        torch.save(outputs(path, kernels == "1", None), f"{{out}}/{{name}}-alone.pt")
 tp.exit_now()  # as generate.py ends: past gloo's teardown
 """
 
@@ -2398,24 +2408,6 @@ def torchrun_env(tmp_path) -> dict:
     """The environment of a torchrun in a test: a thread a process, and TMPDIR the test's own
     tmp_path, where torchrun makes its log folder (torchelastic_...) and leaves it."""
     return {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
-
-
-def run_split(path, tmp_path, processes, kernels=False):
-    """TP_SCRIPT's results on each of `processes` ranks (0: in one process, no torchrun)."""
-    script = tmp_path / "tp_run.py"
-    script.write_text(TP_SCRIPT.format(here=HERE))
-    out = tmp_path / f"out{processes}"
-    out.mkdir()
-    command = [sys.executable, str(script), path, str(out), str(int(kernels))]
-    if processes:
-        command[1:1] = ["-m", "torch.distributed.run", "--standalone",
-                        f"--nproc-per-node={processes}"]
-    env = torchrun_env(tmp_path)
-    if kernels:
-        env["TRITON_INTERPRET"] = "1"
-    r = subprocess.run(command, capture_output=True, text=True, timeout=LIMIT, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return [torch.load(out / f"{rank}.pt") for rank in range(max(processes, 1))]
 
 
 def quantized_of(tmp_path, mode, **kw):
@@ -2428,24 +2420,54 @@ def quantized_of(tmp_path, mode, **kw):
     return out
 
 
-@pytest.mark.parametrize("checkpoint,processes", [("tiny", 2), ("tiny_moe", 2), ("int8", 2),
-                                                  ("int4", 2), ("tiny", 4)],
-                         ids=["dense", "moe", "int8", "int4", "dense-kv-replicated"])
-def test_tensor_parallel_ranks_equal_one_process(checkpoint, processes, request, tmp_path):
+# A case's checkpoint and processes
+SPLITS = {"dense": ("tiny", 2), "moe": ("tiny_moe", 2), "int8": ("int8", 2), "int4": ("int4", 2),
+          "dense-kv-replicated": ("tiny", 4)}
+
+
+@pytest.fixture(scope="module")
+def split_runs(tmp_path_factory, tiny, tiny_moe) -> dict:
+    """TP_SCRIPT's results of each SPLITS case: (one process's, [each rank's]). One torchrun a
+    number of processes, every case of that number in it: a torchrun's start is most of its
+    time."""
+    tmp_path = tmp_path_factory.mktemp("split")
+    moe = dict(mlp_only_layers=[0], moe_intermediate_size=64)
+    paths = {"tiny": tiny, "tiny_moe": tiny_moe}
+    for mode in ("int8", "int4"):
+        paths[mode] = quantized_of(tmp_path / mode, mode, moe=moe)
+    script = tmp_path / "tp_run.py"
+    script.write_text(TP_SCRIPT.format(here=HERE))
+    env = torchrun_env(tmp_path)
+    # The interpreter is slow: not every case (the int4 kernels' model test is the next section's)
+    interpreted = fast is not None and not OLD_INTERPRETER
+    if interpreted:
+        env["TRITON_INTERPRET"] = "1"
+    results = {}
+    for processes in (2, 4):
+        cases = [case for case, (_, count) in SPLITS.items() if count == processes]
+        out = tmp_path / f"out{processes}"
+        out.mkdir()
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={processes}", str(script), str(out)]
+        for case in cases:
+            checkpoint = SPLITS[case][0]
+            kernels = interpreted and processes == 2 and checkpoint not in ("tiny_moe", "int4")
+            command += [case, paths[checkpoint], str(int(kernels))]
+        r = subprocess.run(command, capture_output=True, text=True, timeout=LIMIT, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        for case in cases:
+            ranks = [torch.load(out / f"{case}-{rank}.pt") for rank in range(processes)]
+            results[case] = torch.load(out / f"{case}-alone.pt"), ranks
+    return results
+
+
+@pytest.mark.parametrize("case", SPLITS)
+def test_tensor_parallel_ranks_equal_one_process(case, split_runs):
     """torchrun, gloo: fp32 logits within 1e-5 of one process's over a prefill and 32 steps, the
     same greedy and sampled tokens (one prompt and a batch) on every rank. With 4 ranks the tiny
     model's 2 kv heads are each replicated over 2 ranks. Where Triton is installed, a prompt runs
     through the fast path too (greedy), whose kernels add the residual on one rank alone."""
-    if checkpoint in ("int8", "int4"):
-        moe = dict(mlp_only_layers=[0], moe_intermediate_size=64)
-        path = quantized_of(tmp_path / "ck", checkpoint, moe=moe)
-    else:
-        path = request.getfixturevalue(checkpoint)
-    # The interpreter is slow: not every case (the int4 kernels' model test is the next section's)
-    kernels = fast is not None and processes == 2 and checkpoint not in ("tiny_moe", "int4")
-    kernels = kernels and not OLD_INTERPRETER
-    alone, = run_split(path, tmp_path, 0, kernels)
-    ranks = run_split(path, tmp_path, processes, kernels)
+    alone, ranks = split_runs[case]
     for rank in ranks:
         assert (rank["logits"] - alone["logits"]).abs().max() <= 1e-5
         assert rank["runs"] == alone["runs"] == ranks[0]["runs"]
