@@ -163,6 +163,47 @@ def tiny_moe_int4(tmp_path_factory):
     return quantized_of(tmp_path_factory.mktemp("tiny_moe_int4"), "int4", layers=3, moe=moe)
 
 
+class Started:
+    """A command started in a process of its own before the tests that read its result, so that it
+    runs beside them; its output goes to files in `folder`, and result() waits for it."""
+
+    def __init__(self, command: list[str], folder: pathlib.Path, env: dict):
+        self.folder = folder
+        with open(folder / "stdout", "w") as out, open(folder / "stderr", "w") as err:
+            self.process = subprocess.Popen(command, stdout=out, stderr=err, cwd=HERE,
+                                            env={**os.environ, **env})
+
+    def result(self) -> subprocess.CompletedProcess:
+        status = self.process.wait(timeout=LIMIT)
+        out, err = ((self.folder / name).read_text() for name in ("stdout", "stderr"))
+        return subprocess.CompletedProcess(self.process.args, status, out, err)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def started(request, tmp_path_factory):
+    """The slowest cases that need processes of their own, started with the first test where they
+    are selected: the kernel tests in Triton's interpreter, and the torchruns of SPLITS. They run
+    beside this process's tests, on the machine's other cores, and their tests wait for them;
+    any still running when the tests end are stopped."""
+    names = {item.originalname for item in request.session.items}
+    runs = {}
+    if "test_kernels_in_triton_interpreter" in names and interpreter_skip_reason() is None:
+        folder = tmp_path_factory.mktemp("interpreter")
+        runs["interpreter"] = Started(INTERPRETER_COMMAND, folder, {"TRITON_INTERPRET": "1"})
+    if "test_tensor_parallel_ranks_equal_one_process" in names:
+        paths = {"tiny": request.getfixturevalue("tiny"),
+                 "tiny_moe": request.getfixturevalue("tiny_moe")}
+        moe = dict(mlp_only_layers=[0], moe_intermediate_size=64)
+        for mode in ("int8", "int4"):
+            paths[mode] = quantized_of(tmp_path_factory.mktemp(mode), mode, moe=moe)
+        runs.update(start_splits(tmp_path_factory, paths))
+    yield runs
+    for run in runs.values():
+        if run.process.poll() is None:
+            run.process.terminate()  # torchrun passes it on to its ranks
+            run.process.wait()
+
+
 def load(path, slots=1, capacity=256, dtype=torch.float32, device="cpu"):
     model = G.load_model(path, device, dtype)
     model.setup_cache(slots, capacity)
@@ -1549,7 +1590,8 @@ def test_each_new_attended_length_warms_up_apart(tiny):
     and the report names no warm-up; the checks still fall at the buckets' ends."""
     prompt = list(range(1, 61))  # its next positions attend to 64, from position 64 on to 128
     seen = []
-    gen = generator(tiny, capacity=256, compile=True)
+    # the capacity and sampling of conversation_of: the compiled graphs of one are the other's
+    gen = generator(tiny, compile=True)
     _, stats = gen.generate([prompt], max_new=20, stop_ids=set(), check_every=8,
                             on_tokens=lambda rows: seen.append(len(rows[0])))
     # Warm-ups: the step that makes token 2 (attending to 64) and token 6 (to 128)
@@ -2425,39 +2467,42 @@ SPLITS = {"dense": ("tiny", 2), "moe": ("tiny_moe", 2), "int8": ("int8", 2), "in
           "dense-kv-replicated": ("tiny", 4)}
 
 
-@pytest.fixture(scope="module")
-def split_runs(tmp_path_factory, tiny, tiny_moe) -> dict:
-    """TP_SCRIPT's results of each SPLITS case: (one process's, [each rank's]). One torchrun a
-    number of processes, every case of that number in it: a torchrun's start is most of its
-    time."""
-    tmp_path = tmp_path_factory.mktemp("split")
-    moe = dict(mlp_only_layers=[0], moe_intermediate_size=64)
-    paths = {"tiny": tiny, "tiny_moe": tiny_moe}
-    for mode in ("int8", "int4"):
-        paths[mode] = quantized_of(tmp_path / mode, mode, moe=moe)
-    script = tmp_path / "tp_run.py"
-    script.write_text(TP_SCRIPT.format(here=HERE))
-    env = torchrun_env(tmp_path)
+def start_splits(tmp_path_factory, paths: dict) -> dict:
+    """SPLITS' torchruns started, one a number of processes with every case of that number in it
+    (a torchrun's start is most of its time): {"split2": Started, "split4": ...}, each writing
+    TP_SCRIPT's results into its folder. paths: each checkpoint of SPLITS."""
+    env = {"OMP_NUM_THREADS": "1"}  # a thread a process
     # The interpreter is slow: not every case (the int4 kernels' model test is the next section's)
     interpreted = fast is not None and not OLD_INTERPRETER
     if interpreted:
         env["TRITON_INTERPRET"] = "1"
-    results = {}
+    runs = {}
     for processes in (2, 4):
-        cases = [case for case, (_, count) in SPLITS.items() if count == processes]
-        out = tmp_path / f"out{processes}"
-        out.mkdir()
+        folder = tmp_path_factory.mktemp(f"split{processes}")
+        # TMPDIR: where torchrun makes its log folder (torchelastic_...) and leaves it
+        env["TMPDIR"] = str(folder)
+        script = folder / "tp_run.py"
+        script.write_text(TP_SCRIPT.format(here=HERE))
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={processes}", str(script), str(out)]
-        for case in cases:
-            checkpoint = SPLITS[case][0]
+                   f"--nproc-per-node={processes}", str(script), str(folder)]
+        for case, (checkpoint, count) in SPLITS.items():
             kernels = interpreted and processes == 2 and checkpoint not in ("tiny_moe", "int4")
-            command += [case, paths[checkpoint], str(int(kernels))]
-        r = subprocess.run(command, capture_output=True, text=True, timeout=LIMIT, env=env)
+            if count == processes:
+                command += [case, paths[checkpoint], str(int(kernels))]
+        runs[f"split{processes}"] = Started(command, folder, env)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def split_runs(started) -> dict:
+    """TP_SCRIPT's results of each SPLITS case: (one process's, [each rank's])."""
+    results = {}
+    for case, (_, processes) in SPLITS.items():
+        run = started[f"split{processes}"]
+        r = run.result()
         assert r.returncode == 0, r.stderr[-3000:]
-        for case in cases:
-            ranks = [torch.load(out / f"{case}-{rank}.pt") for rank in range(processes)]
-            results[case] = torch.load(out / f"{case}-alone.pt"), ranks
+        ranks = [torch.load(run.folder / f"{case}-{rank}.pt") for rank in range(processes)]
+        results[case] = torch.load(run.folder / f"{case}-alone.pt"), ranks
     return results
 
 
@@ -2842,22 +2887,32 @@ def test_model_with_kernels_matches_reference_ops(checkpoint, device, dtype, tol
                           atol=1e-4)
 
 
-def test_kernels_in_triton_interpreter(request):
+def interpreter_skip_reason() -> str | None:
+    """Why test_kernels_in_triton_interpreter does not run here, or None."""
+    if fast is None:
+        return "needs Triton"
+    if OLD_INTERPRETER:
+        return "Triton's interpreter before 3.9 fails the kernels: CI runs them with 3.9.0"
+    if CUDA:
+        return ("CUDA is present: the kernel tests run on the GPU (Triton 3.6's interpreter "
+                "fails there)")
+    if INTERPRETED:
+        return "this is the interpreter's process"
+    return None
+
+
+# The kernel tests above in Triton's interpreter, nothing else
+INTERPRETER_COMMAND = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                       "-k", "interpreter and not in_triton_interpreter"]
+
+
+def test_kernels_in_triton_interpreter(request, started):
     """Runs the kernel tests above on the CPU, in Triton's interpreter (fp32: its bf16 is not
     exact)."""
-    pytest.importorskip("triton")
-    if OLD_INTERPRETER:
-        pytest.skip("Triton's interpreter before 3.9 fails the kernels: CI runs them with 3.9.0")
-    if CUDA:
-        pytest.skip("CUDA is present: the kernel tests run on the GPU (Triton 3.6's interpreter "
-                    "fails there)")
-    if INTERPRETED:
-        pytest.skip("this is the interpreter's process")
-    selected = "interpreter and not in_triton_interpreter"
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-               "-k", selected]
-    r = subprocess.run(command, capture_output=True, text=True, timeout=LIMIT, cwd=HERE,
-                       env={**os.environ, "TRITON_INTERPRET": "1"})
+    reason = interpreter_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    r = started["interpreter"].result()
     assert r.returncode == 0, r.stdout[-3000:]
     summary = r.stdout.strip().splitlines()[-1]
     # nothing else
