@@ -2406,9 +2406,9 @@ def test_a_full_stdout_is_one_line(tiny, snapshot, tmp_path):
 
 # Run by each process of a torchrun, for each checkpoint it is given: the logits of a prefill and
 # of 32 greedy steps through the rank's share of the model, then the tokens of Generator runs,
-# greedy and sampled, of one prompt and of a batch; with kernels, one prompt through the fast path
-# (Triton's interpreter). Rank 0 then runs the same through the whole model, as one process does
-# without torchrun: the reference.
+# greedy and sampled, of one prompt and of a batch; with kernels, then one prompt through the
+# fast path (Triton's interpreter). Rank 0 then runs the same through the whole model, as one
+# process does without torchrun: the reference.
 TP_SCRIPT = """
 import sys
 import torch
@@ -2432,10 +2432,13 @@ def outputs(path, kernels, split):
         for sampling in (G.SamplingParams(),
                          G.SamplingParams(temperature=1.0, top_k=40, top_p=0.9)):
             torch.manual_seed(0)
-            fast = kernels and len(prompts) == 1 and sampling.temperature == 0
             gen = G.Generator(model, batch=len(prompts), capacity=96, sampling=sampling,
-                              use_kernels=fast)
+                              use_kernels=False)
             runs.append(gen.generate(prompts, max_new=32, stop_ids=set())[0])
+    if kernels:  # two decode steps: the interpreter is slow
+        gen = G.Generator(model, batch=1, capacity=96, sampling=G.SamplingParams(),
+                          use_kernels=True)
+        runs.append(gen.generate([[5, 3, 9]], max_new=3, stop_ids=set())[0])
     return dict(logits=torch.cat(logits), runs=runs)
 
 
