@@ -774,7 +774,7 @@ def peak_memory_of(body: str) -> int:
         {{}}
         print(base, hwm())""")
     r = subprocess.run([sys.executable, "-c", code.format(body)], check=True, capture_output=True,
-                       text=True)
+                       text=True, timeout=LIMIT)
     base, peak = [int(x) * 1024 for x in r.stdout.split()[-2:]]
     return peak - base
 
