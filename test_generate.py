@@ -1593,7 +1593,8 @@ def test_each_new_attended_length_warms_up_apart(tiny):
     and the report names no warm-up; the checks still fall at the buckets' ends."""
     prompt = list(range(1, 61))  # its next positions attend to 64, from position 64 on to 128
     seen = []
-    # the capacity and sampling of conversation_of: the compiled graphs of one are the other's
+    # conversation_of's capacity and sampling: what compiles here, inductor's cache gives the
+    # chat's compiled test
     gen = generator(tiny, compile=True)
     _, stats = gen.generate([prompt], max_new=20, stop_ids=set(), check_every=8,
                             on_tokens=lambda rows: seen.append(len(rows[0])))
