@@ -256,7 +256,7 @@ def cli(*args, stdin=None, env=None, script="generate.py"):
     `env` added to the environment; SystemExit becomes the exit status, as Python makes it (a
     message: on stderr, status 1). Tests where the process itself is the point (signals, closed
     streams, imports) start one with run_process."""
-    module = importlib.import_module(os.path.basename(script).removesuffix(".py"))
+    module = importlib.import_module(script.removesuffix(".py"))
     streams = sys.stdin, sys.stdout, sys.stderr
     # main() sets SIGTERM's and SIGHUP's handlers (stop_on_signals): pytest's are put back after
     handlers = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGHUP)}
@@ -281,11 +281,11 @@ def cli(*args, stdin=None, env=None, script="generate.py"):
     return subprocess.CompletedProcess(args, status, out.getvalue(), err.getvalue())
 
 
-def run_process(script, *args, stdin=None, cwd=None, env=None):
+def run_process(script, *args, cwd=None, env=None):
     """`script` run by a new Python process, on the CPU, as a user runs it."""
     command = [sys.executable, script, *args]
-    return subprocess.run(command, capture_output=True, text=True, input=stdin, timeout=LIMIT,
-                          cwd=cwd, env={**os.environ, **(env or {})})
+    return subprocess.run(command, capture_output=True, text=True, timeout=LIMIT, cwd=cwd,
+                          env={**os.environ, **(env or {})})
 
 
 def with_patch(patch, script, *args, stdin=None):
@@ -300,8 +300,8 @@ def with_patch(patch, script, *args, stdin=None):
                           timeout=LIMIT)
 
 
-# For with_patch: Ctrl-C pressed while the text of the second check (the first decode steps) is
-# being shown.
+# For with_patch and ctrl_c_at_the_second_check: Ctrl-C pressed while the text of the second check
+# (the first decode steps) is being shown.
 CTRL_C_AT_THE_SECOND_CHECK = """
     calls = []
     original = generate.TextStream.__call__
@@ -1218,7 +1218,7 @@ def test_int4_modules_equal_their_dequantized_weights(tmp_path, moe):
     r = cli("--checkpoint-dir", str(tmp_path / "hf"), "--quantize", "int4",
             script="convert_hf_checkpoint.py")
     assert r.returncode == 0 and r.stderr == f"wrote {one_pass}\n", r.stderr
-    script = os.path.join(HERE, "quantize.py")
+    script = "quantize.py"
     r = cli("--checkpoint", path, "--mode", "int4", script=script)
     assert r.returncode == 0 and r.stderr == f"wrote {path}-int4\n", r.stderr
     ours, theirs = (read_all(p) for p in (path + "-int4", one_pass))
@@ -1279,7 +1279,7 @@ def test_int4_bad_inputs_are_one_line(tiny, tmp_path, snapshot):
     a snapshot whose layers 128 doesn't divide: each refused in one line, nothing written. A
     config.json with an unknown quantization or a bad group size is refused; then generate.py runs
     the int4 checkpoint."""
-    script = os.path.join(HERE, "quantize.py")
+    script = "quantize.py"
     out = str(tmp_path / "out")
     refusals = {("int4", "128"): "layers.0.self_attn.qkv_proj: its 64 input columns are no "
                                  "multiple of the group size 128 (quantize.py --group-size "
@@ -2478,16 +2478,14 @@ def start_splits(tmp_path_factory, paths: dict) -> dict:
     """SPLITS' torchruns started, one a number of processes with every case of that number in it
     (a torchrun's start is most of its time): {"split2": Started, "split4": ...}, each writing
     TP_SCRIPT's results into its folder. paths: each checkpoint of SPLITS."""
-    env = {"OMP_NUM_THREADS": "1"}  # a thread a process
     # The interpreter is slow: not every case (the int4 kernels' model test is the next section's)
     interpreted = fast is not None and not OLD_INTERPRETER
-    if interpreted:
-        env["TRITON_INTERPRET"] = "1"
     runs = {}
     for processes in (2, 4):
         folder = tmp_path_factory.mktemp(f"split{processes}")
-        # TMPDIR: where torchrun makes its log folder (torchelastic_...) and leaves it
-        env["TMPDIR"] = str(folder)
+        env = torchrun_env(folder)
+        if interpreted:
+            env["TRITON_INTERPRET"] = "1"
         script = folder / "tp_run.py"
         script.write_text(TP_SCRIPT.format(here=HERE))
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -3149,13 +3147,13 @@ def test_chat_refuses_bad_flags_and_a_closed_stdin_before_any_turn(tiny):
                           (["--stop-ids", "512"], "--stop-ids: ids in [0, 512)"),
                           (["--max-new-tokens", "64", "--cache-len", "64"],
                            "--max-new-tokens 64 leaves no room in the cache (64 positions)")]:
-        r = cli("--device", "cpu", "--checkpoint", tiny, *args, stdin="hi\n", script=chat_py)
+        r = cli("--device", "cpu", "--checkpoint", tiny, *args, stdin="hi\n", script="chat.py")
         one_line_error(r, message)
         assert "prefilled" not in r.stderr
     command = f"{sys.executable} {chat_py} --device cpu --checkpoint {tiny} <&-"
     r = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=LIMIT)
     one_line_error(r, "stdin is closed")
-    r = cli("--device", "cpu", "--checkpoint", tiny, stdin="hi\n", script=chat_py,
+    r = cli("--device", "cpu", "--checkpoint", tiny, stdin="hi\n", script="chat.py",
             env={"LOCAL_RANK": "0"})
     one_line_error(r, "chat.py is one process: run it without torchrun")
     assert "prefilled" not in r.stderr
