@@ -124,7 +124,7 @@ def bucket(length: int, capacity: int) -> int:
     """One of the few lengths that the compiled and graphed steps see (a graph each): the next power
     of two from 64 to 2,048, then the next multiple of 256, within the capacity. A decode step
     attends to that prefix of the cache, so its cost follows the live length, not the capacity; a
-    bucketed prefill pads its prompts to it. Below 2,048 tokens doubling keeps the graphs few;
+    graphed prefill pads its prompts to it. Below 2,048 tokens doubling keeps the graphs few;
     above, a step of 256 keeps the padding's work small (see bench/RESULTS.md), at a graph per 256
     positions, each captured when first used."""
     power_of_two = max(64, 1 << (length - 1).bit_length())  # the next, at least 64
@@ -176,9 +176,9 @@ class Generator:
     """Prefill and the decode loop for up to `batch` prompts at once, in a cache of `capacity`
     positions. use_kernels: whether the Triton fast path runs (the one-token forward at batch 1, the
     top-k draw); by default, wherever it can (CUDA, with qwen3_triton.py and Triton). The two steps,
-    prefill_prompts and decode_one_token, run eagerly; or with compile, under torch.compile
-    (reduce-overhead: inductor's code in its CUDA graphs); or with cuda_graph, as our CUDA
-    graphs."""
+    prefill_prompts and decode_one_token, run eagerly; or with compile, the decode step under
+    torch.compile (reduce-overhead: inductor's code in its CUDA graphs); or with cuda_graph, both
+    as our CUDA graphs."""
 
     def __init__(self, model: Transformer, *, batch: int, capacity: int, sampling: SamplingParams,
                  use_kernels: bool | None = None, compile: bool = False, cuda_graph: bool = False):
@@ -223,27 +223,29 @@ class Generator:
         self.draw = functools.partial(sample, params=sampling)
         if use_kernels and filtered and top_k <= qwen3_triton.MAX_TOP_K:
             self.draw = functools.partial(qwen3_triton.sample_top_k, **dataclasses.asdict(sampling))
+        # Graphed, prompts are padded to a few lengths, a graph each
         self.compiled, self.graphed = compile, cuda_graph
-        # Prompts padded to a few lengths, a graph each
-        self.bucketed = compile or cuda_graph
         # The attended lengths whose decode step has compiled or captured its own
         self.warmed = set()
-        self.decode_step = self.in_mode(self.decode_one_token)
-        self.prefill_step = self.in_mode(self.prefill_prompts)
+        # The steps as the Generator runs them: eagerly, as our CUDA graphs, or the decode step
+        # compiled. A compiled prefill would take seconds to a minute to compile and save
+        # milliseconds a prompt (bench/RESULTS.md), which a command's few prompts never repay.
+        self.prefill_step = self.prefill_prompts
+        self.decode_step = self.decode_one_token
+        if cuda_graph:
+            self.prefill_step = CUDAGraphs(self.prefill_prompts)
+            self.decode_step = CUDAGraphs(self.decode_one_token)
+        if compile:
+            self.decode_step = self.compiled_decode_step()
 
-    def in_mode(self, step):
-        """A step as the Generator runs it: eagerly, compiled, or as our CUDA graphs."""
-        if self.graphed:
-            return CUDAGraphs(step)
-        if not self.compiled:
-            return step
-        # torch._dynamo is imported here alone: it takes seconds
+    def compiled_decode_step(self):
+        """decode_one_token under torch.compile; torch._dynamo is imported here alone (seconds)."""
         for tensor in vars(self.state).values():  # cudagraph trees: inputs, not copies
             torch._dynamo.mark_static_address(tensor)
         # Inductor's own random numbers differ from eager's: this makes it call eager's, so that
         # one seed gives one stream of noise in every mode. torch offers it only process-wide.
         torch._inductor.config.fallback_random = True
-        return torch.compile(step, mode="reduce-overhead", fullgraph=True)
+        return torch.compile(self.decode_one_token, mode="reduce-overhead", fullgraph=True)
 
     def prefill_prompts(self, positions: torch.Tensor, kv_positions: torch.Tensor | None) -> None:
         """The prompts in state.sequences at `positions` (R, T), padded after their ends, into cache
@@ -284,14 +286,14 @@ class Generator:
 
     def prefill(self, prompts: list[list[int]], start: int = 0) -> None:
         """Every prompt into its cache row at positions start ... in one forward, padded to the
-        longest (to its bucket when compiled or graphed); each row's first token drawn from its
+        longest (to its bucket when graphed); each row's first token drawn from its
         last prompt token into the state. The padding lies after each prompt's end, where the causal
         rule hides it from every real query, and each decode step writes its own key and value over
         it before any query can read that position."""
         state = self.state
         count = len(prompts)
         length = max(map(len, prompts))
-        if self.bucketed:
+        if self.graphed:
             length = bucket(length, self.capacity - start)
         padded = [prompt + [0] * (length - len(prompt)) for prompt in prompts]
         state.sequences[:count, start:start + length] = torch.tensor(padded)
@@ -356,7 +358,7 @@ class Generator:
                 steps = min(check_every, max_new - produced, kv_len - longest - produced + 1)
                 # The first step at a new length compiles or captures its own: alone, timed apart
                 kind = "decode_s"
-                if self.bucketed and kv_len not in self.warmed:
+                if (self.compiled or self.graphed) and kv_len not in self.warmed:
                     kind, steps = "warmup_s", 1
                     self.warmed.add(kv_len)
                 for _ in range(steps):
@@ -595,7 +597,7 @@ def parse_args(argv=None, description: str = __doc__, prompts: bool = True) -> a
                         help="stop tokens besides the model's eos")
     modes = parser.add_mutually_exclusive_group()
     modes.add_argument("--compile", action="store_true",
-                       help="torch.compile the prefill and decode steps")
+                       help="torch.compile the decode step")
     modes.add_argument("--cuda-graph", action="store_true",
                        help="replay the prefill and decode steps as our CUDA graphs")
     parser.add_argument("--check-every", type=positive, default=16,
