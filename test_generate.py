@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 import types
 
 import pytest
@@ -181,15 +182,81 @@ class Started:
         out, err = ((self.folder / name).read_text() for name in ("stdout", "stderr"))
         return subprocess.CompletedProcess(self.process.args, status, out, err)
 
+    def outcome(self, nodeid: str) -> tuple[str, str]:
+        """A test's outcome in this pytest process (passed, failed or skipped) and its report,
+        waited for: read from the lines that BesideOutcomes writes as each test ends."""
+        waited = 0.0
+        while waited < LIMIT:
+            ended = self.process.poll() is not None  # before the read: its every line is in
+            written = (self.folder / "outcomes").read_text()
+            for line in written.splitlines(keepends=True):  # whole lines alone
+                if line.endswith("\n") and json.loads(line)[0] == nodeid:
+                    return tuple(json.loads(line)[1:])
+            if ended:
+                return "failed", "not run beside: " + self.result().stdout[-3000:]
+            time.sleep(0.2)
+            waited += 0.2
+        return "failed", f"not run beside within {LIMIT} s"
+
+
+# Tests marked beside run in a second pytest process, started with the first test, on another core
+# where the machine has one; this process takes each one's outcome there instead of calling it,
+# waiting for it where it must. Marked: the slowest cases of the file's second half (compiling,
+# processes of their own), which this process reaches after work of its own as long as theirs. The
+# second process finds the file for its outcomes in this variable.
+BESIDE_OUTCOMES = "QWEN3_FAST_BESIDE_OUTCOMES"
+
+
+class BesideOutcomes:
+    """The second process's plugin: each test's outcome, a JSON line added as it ends."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def pytest_runtest_logreport(self, report):
+        if report.when == "call" or report.outcome != "passed":  # a setup that failed or skipped
+            with open(self.path, "a") as file:
+                file.write(json.dumps([report.nodeid, report.outcome, report.longreprtext]) + "\n")
+
+
+class CalledBeside:
+    """This process's plugin: a test marked beside is not called here; its outcome is the one it
+    had in the second process, `run`."""
+
+    def __init__(self, run: Started):
+        self.run = run
+
+    def pytest_pyfunc_call(self, pyfuncitem):
+        if pyfuncitem.get_closest_marker("beside") is None:
+            return None  # pytest calls it
+        outcome, report = self.run.outcome(pyfuncitem.nodeid)
+        if outcome == "skipped":
+            pytest.skip(report)
+        if outcome == "failed":
+            pytest.fail(f"beside: {report}", pytrace=False)
+        return True
+
 
 @pytest.fixture(scope="module", autouse=True)
 def started(request, tmp_path_factory):
-    """The slowest cases that need processes of their own, started with the first test where they
-    are selected: the kernel tests in Triton's interpreter, and the torchruns of SPLITS. They run
-    beside this process's tests, on the machine's other cores, and their tests wait for them;
-    any still running when the tests end are stopped."""
+    """The slowest cases, started with the first test where they are selected: the tests marked
+    beside, the kernel tests in Triton's interpreter, and the torchruns of SPLITS. They run beside
+    this process's tests, on the machine's other cores, and their tests wait for them; any still
+    running when the tests end are stopped."""
+    outcomes = os.environ.get(BESIDE_OUTCOMES)
+    if outcomes:  # the second process, running the tests marked beside
+        request.config.pluginmanager.register(BesideOutcomes(outcomes))
+        yield {}
+        return
     names = {item.originalname for item in request.session.items}
     runs = {}
+    beside = [item.nodeid for item in request.session.items if item.get_closest_marker("beside")]
+    if beside:
+        folder = tmp_path_factory.mktemp("beside")
+        (folder / "outcomes").touch()
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *beside]
+        runs["beside"] = Started(command, folder, {BESIDE_OUTCOMES: str(folder / "outcomes")})
+        request.config.pluginmanager.register(CalledBeside(runs["beside"]), "called_beside")
     if "test_kernels_in_triton_interpreter" in names and interpreter_skip_reason() is None:
         folder = tmp_path_factory.mktemp("interpreter")
         runs["interpreter"] = Started(INTERPRETER_COMMAND, folder, {"TRITON_INTERPRET": "1"})
@@ -201,6 +268,8 @@ def started(request, tmp_path_factory):
             paths[mode] = quantized_of(tmp_path_factory.mktemp(mode), mode, moe=moe)
         runs.update(start_splits(tmp_path_factory, paths))
     yield runs
+    if beside:
+        request.config.pluginmanager.unregister(name="called_beside")
     for run in runs.values():
         if run.process.poll() is None:
             run.process.terminate()  # torchrun passes it on to its ranks
@@ -1547,6 +1616,7 @@ def test_greedy_decode_equals_full_recomputation(tiny):
         seq.append(t)
 
 
+@pytest.mark.beside
 @pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe", "tiny_moe_int4"])
 def test_compile_matches_eager_on_cpu_sampled_with_one_seed(checkpoint, request):
     """The same seed gives the same sampled tokens compiled and eager: compiled code draws its noise
@@ -1586,6 +1656,7 @@ def test_batch_rows_equal_single_runs(tiny):
     assert len(batch[0]) < 20  # row 0 stopped on its own while the others went on
 
 
+@pytest.mark.beside
 def test_each_new_attended_length_warms_up_apart(tiny):
     """Compiled, the first decode step at each new attended length (its bucket: 64, then 128)
     compiles or records its own graph: it runs alone between two checks and is timed apart, never
@@ -1822,6 +1893,7 @@ def test_cuda_graph_without_cuda_is_one_line_before_loading(tmp_path, capsys):
     assert "loading" not in capsys.readouterr().err
 
 
+@pytest.mark.beside
 def test_compile_without_a_cpp_compiler_is_one_line(tiny):
     """On the CPU inductor compiles C++: where it finds no compiler (CXX names none that exists),
     --compile is refused in one line when the Generator is made, not as inductor's traceback at
@@ -1991,6 +2063,7 @@ def test_cli_ctrl_c_prints_what_was_generated_and_exits_130(tiny, monkeypatch):
     assert r.stdout.startswith("--- hello\n") and "--- world\n" in r.stdout
 
 
+@pytest.mark.beside
 @pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGHUP"])
 def test_cli_stopped_by_a_signal_ends_as_ctrl_c_does(tiny, signal_name):
     args = ["--device", "cpu", "--checkpoint", tiny, "--max-new-tokens", "100", "--check-every",
@@ -2124,6 +2197,7 @@ def test_cli_bad_files_one_line(tiny, tmp_path):
                    "not a JSON object")  # and as a user runs it
 
 
+@pytest.mark.beside
 def test_cli_stdout_closed_early_exits_quietly(tiny):
     """`generate.py ... | head -c 20`: the reader is gone before the text; no traceback, Unix's exit
     141."""
@@ -2136,6 +2210,7 @@ def test_cli_stdout_closed_early_exits_quietly(tiny):
     assert r.returncode == 141 and "Traceback" not in r.stderr and "Error" not in r.stderr, r.stderr
 
 
+@pytest.mark.beside
 def test_cli_invalid_utf8_prompt_is_one_line(tiny):
     command = [sys.executable, os.path.join(HERE, "generate.py"), "--device", "cpu",
                "--checkpoint", tiny, "--prompt", b"caf\xe9"]
@@ -2176,6 +2251,7 @@ def test_cli_float16(tiny, capsys):
     assert "6 new tokens" in out.err and len(out.out.strip()) > 0, out
 
 
+@pytest.mark.beside
 # ---------------------------------------------------------------- loading, the first text, faults
 
 def test_loading_and_an_eager_generation_never_import_dynamo(tiny):
@@ -2231,6 +2307,7 @@ def tty_stderr(command: list[str]) -> tuple[int, str]:
     return process.wait(timeout=LIMIT), written.decode()
 
 
+@pytest.mark.beside
 def test_progress_lines_on_a_terminal_alone(snapshot, tmp_path):
     """Loading and converting draw a progress line on stderr where it is a terminal; a log gets
     none."""
@@ -2318,6 +2395,7 @@ def test_config_values_refused_in_one_line_by_both_commands(snapshot, tiny, tmp_
         "error: config.json: decoder_sparse_step is 0; it must be above 0\n"), r.stderr
 
 
+@pytest.mark.beside
 @pytest.mark.parametrize("closed", [1, 2], ids=["stdout", "stderr"])
 def test_cli_with_a_closed_stream_stops_before_any_work(tiny, closed):
     """`>&-` or `2>&-`: no text or error would be seen. Exit 1 before loading, saying so on stderr
@@ -2387,6 +2465,7 @@ def test_loading_refuses_a_tensor_in_two_files(tiny, tmp_path):
         G.load(str(copy))
 
 
+@pytest.mark.beside
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_a_full_stdout_is_one_line(tiny, snapshot, tmp_path):
     """generate.py and the converter writing to a full disk (/dev/full): one line, exit 1."""
@@ -3059,6 +3138,7 @@ def test_chat_replies_as_a_fresh_generator_prefilling_only_the_new_tokens(checkp
     assert len(ran) == 3
 
 
+@pytest.mark.beside
 def test_chat_compiled_compiles_the_decode_step_once(tiny):
     """Compiled, the first turn compiles the decode step alone (its prefills run eagerly): later
     turns, at new start positions and attended lengths, compile nothing (the same text as
