@@ -235,17 +235,15 @@ class Generator:
         if cuda_graph:
             self.prefill_step = CUDAGraphs(self.prefill_prompts)
             self.decode_step = CUDAGraphs(self.decode_one_token)
-        if compile:
-            self.decode_step = self.compiled_decode_step()
-
-    def compiled_decode_step(self):
-        """decode_one_token under torch.compile; torch._dynamo is imported here alone (seconds)."""
-        for tensor in vars(self.state).values():  # cudagraph trees: inputs, not copies
-            torch._dynamo.mark_static_address(tensor)
-        # Inductor's own random numbers differ from eager's: this makes it call eager's, so that
-        # one seed gives one stream of noise in every mode. torch offers it only process-wide.
-        torch._inductor.config.fallback_random = True
-        return torch.compile(self.decode_one_token, mode="reduce-overhead", fullgraph=True)
+        if compile:  # torch._dynamo is imported here alone: it takes seconds
+            for tensor in vars(self.state).values():  # cudagraph trees: inputs, not copies
+                torch._dynamo.mark_static_address(tensor)
+            # Inductor's own random numbers differ from eager's: this makes it call eager's, so
+            # that one seed gives one stream of noise in every mode. A setting of the whole
+            # process: torch offers no other.
+            torch._inductor.config.fallback_random = True
+            self.decode_step = torch.compile(self.decode_one_token, mode="reduce-overhead",
+                                             fullgraph=True)
 
     def prefill_prompts(self, positions: torch.Tensor, kv_positions: torch.Tensor | None) -> None:
         """The prompts in state.sequences at `positions` (R, T), padded after their ends, into cache

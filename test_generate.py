@@ -1660,8 +1660,9 @@ def test_batch_rows_equal_single_runs(tiny):
 def test_each_new_attended_length_warms_up_apart(tiny):
     """Compiled, the first decode step at each new attended length (its bucket: 64, then 128)
     compiles or records its own graph: it runs alone between two checks and is timed apart, never
-    as decode; a second generation at those lengths warms nothing up and compiles nothing. Eagerly nothing warms up,
-    and the report names no warm-up; the checks still fall at the buckets' ends."""
+    as decode; a second generation at those lengths warms nothing up and compiles nothing. Eagerly
+    nothing warms up, and the report names no warm-up; the checks still fall at the buckets'
+    ends."""
     prompt = list(range(1, 61))  # its next positions attend to 64, from position 64 on to 128
     seen = []
     # conversation_of's capacity and sampling: what compiles here, inductor's cache gives the
