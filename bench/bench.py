@@ -16,7 +16,8 @@ built on the GPU.
     python bench/bench.py ttft --size 8B --lengths 40 --history 3000 --modes graph  # a chat's turn
     python bench/bench.py first-text --modes graph,compile  # from the model on the GPU to the
                                                             # first text
-    python bench/bench.py first-text --modes graph --checkpoint DIR  # from a process's start
+    python bench/bench.py first-text --modes eager,graph,compile --checkpoint DIR --batch 2
+                              # generate.py as typed: its wall time and first text, cold and warm
     python bench/bench.py load --checkpoint DIR     # generate.load against a plain safetensors load
     python bench/bench.py write-checkpoint --size 30B-A3B --checkpoint DIR --tokenizer-from DIR
     python bench/bench.py bandwidth                      # the decode ceiling's denominator
@@ -320,19 +321,21 @@ def first_text(a: argparse.Namespace) -> list:
     bytecode caches, the page cache dropped where we may) then warm (the caches the cold run
     filled): from the model on the GPU (a process building a random model), and with --checkpoint
     as the user sees it, from the start of a process running generate.py to its first byte on
-    stdout. Each run is a process of its own."""
+    stdout, and to its end (the command's wall time), with its report line. Each run is a process
+    of its own: --batch prompts, --max-new tokens each."""
     if a.inner:
         model = random_model(a.size, a.quant)
         torch.cuda.synchronize()
         start = time.perf_counter()
-        gen = G.Generator(model, batch=1, capacity=a.cache, sampling=SAMPLED, **MODES[a.modes])
+        gen = G.Generator(model, batch=a.batch, capacity=a.cache, sampling=SAMPLED,
+                          **MODES[a.modes])
         first = []
 
         def on_tokens(rows):
             if not first:
                 first.append(time.perf_counter() - start)
-        gen.generate([torch.randint(0, VOCAB, (a.prompt,)).tolist()], max_new=64, stop_ids=set(),
-                     on_tokens=on_tokens)
+        prompts = torch.randint(0, VOCAB, (a.batch, a.prompt)).tolist()
+        gen.generate(prompts, max_new=a.max_new, stop_ids=set(), on_tokens=on_tokens)
         return [{"size": a.size, "mode": a.modes, "from": "model on the GPU",
                  "first_text_s": round(first[0], 2)}]
     rows = []
@@ -351,12 +354,14 @@ def cold_and_warm(a: argparse.Namespace, mode: str, caches: str) -> list:
         dropped = run == "cold" and drop_page_cache()
         if a.checkpoint:
             command = [sys.executable, str(ROOT / "generate.py"), "--checkpoint", a.checkpoint,
-                       "--prompt", "Hello, my name is", "--max-new-tokens", "64", *FLAGS[mode]]
-            rows.append({"mode": mode, "run": run, "page_cache_dropped": dropped,
-                         **first_byte(command, env)})
+                       "--max-new-tokens", str(a.max_new), "--seed", "0", *FLAGS[mode]]
+            command += ["--prompt", "Hello, my name is"] * a.batch
+            rows.append({"mode": mode, "run": run, "prompts": a.batch, "max_new": a.max_new,
+                         "page_cache_dropped": dropped, **first_byte(command, env)})
             continue
         command = [sys.executable, __file__, "first-text", "--inner", "--size", a.size,
-                   "--modes", mode, *(["--quant", a.quant] if a.quant else [])]
+                   "--modes", mode, "--batch", str(a.batch), "--max-new", str(a.max_new),
+                   *(["--quant", a.quant] if a.quant else [])]
         out = subprocess.run(command, env=env, capture_output=True, text=True,
                              check=True).stdout
         rows.append({**json.loads(out.strip().splitlines()[-1]), "run": run})
@@ -448,6 +453,7 @@ def main():
     ap.add_argument("--n1", type=int, default=64)
     ap.add_argument("--n2", type=int, default=320)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-new", type=int, default=200, help="first-text: tokens a run makes")
     ap.add_argument("--quant", choices=quantize.MODES,
                     help="weight-only, as quantize.py stores it (int4: groups of 128 columns)")
     ap.add_argument("--greedy", action="store_true",
