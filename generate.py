@@ -223,7 +223,8 @@ class Generator:
         self.draw = functools.partial(sample, params=sampling)
         if use_kernels and filtered and top_k <= qwen3_triton.MAX_TOP_K:
             self.draw = functools.partial(qwen3_triton.sample_top_k, **dataclasses.asdict(sampling))
-        # Graphed, prompts are padded to a few lengths, a graph each
+        # Compiled: the decode step under torch.compile. Graphed: both steps as our CUDA graphs,
+        # the prompts padded to a few lengths, a graph each.
         self.compiled, self.graphed = compile, cuda_graph
         # The attended lengths whose decode step has compiled or captured its own
         self.warmed = set()

@@ -188,10 +188,12 @@ class Started:
         waited = 0.0
         while waited < LIMIT:
             ended = self.process.poll() is not None  # before the read: its every line is in
-            written = (self.folder / "outcomes").read_text()
-            for line in written.splitlines(keepends=True):  # whole lines alone
-                if line.endswith("\n") and json.loads(line)[0] == nodeid:
-                    return tuple(json.loads(line)[1:])
+            written = (self.folder / "outcomes").read_text().splitlines(keepends=True)
+            # [nodeid, outcome, report] a whole line
+            entries = [json.loads(line) for line in written if line.endswith("\n")]
+            for entry in entries:
+                if entry[0] == nodeid:
+                    return entry[1], entry[2]
             if ended:
                 return "failed", "not run beside: " + self.result().stdout[-3000:]
             time.sleep(0.2)
