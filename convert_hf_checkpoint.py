@@ -53,10 +53,13 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def optional(name: str):
     """An optional module (our quantize.py, qwen3_triton.py, tp.py; Python's readline), or None
-    where it is missing, or what it needs (Triton) is."""
+    where it is missing, or the package it needs (Triton) is. One that is there but fails to import
+    is an error: without it, things would silently run many times slower."""
     try:
         return importlib.import_module(name)
-    except ImportError:
+    except ModuleNotFoundError as e:
+        if e.name not in (name, "triton"):
+            raise
         return None
 
 
@@ -311,10 +314,10 @@ def convert(src: str, out: str, quantization: str | None = None,
     unknown = min(files.keys() - placed, default=None)
     require(not unknown, f"{files.get(unknown)}: {unknown} is in no Qwen3")
 
-    def tensors():
-        for name, parts in sources.items():
-            yield name, joined(src, name, parts, files, expected[name])
-    pairs, count = tensors(), len(expected)
+    # Joined as they are written, one at a time
+    pairs = ((name, joined(src, name, parts, files, expected[name]))
+             for name, parts in sources.items())
+    count = len(expected)
     if quantization:  # a tensor at a time, as read
         pairs, count = quantize.quantizing(config, pairs)
     write_checkpoint(out, pairs, count, config, src, shard_bytes)

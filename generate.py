@@ -23,11 +23,12 @@ try:
                                        converted_config, eos_ids, exit_interrupted, exit_on,
                                        list_tensors, model_args, optional, positive, read_json,
                                        read_tokenizer, require, show_progress, stop_on_signals)
-    from model import Transformer
+    from model import Experts, Transformer
     # Optional files: quantized checkpoints, the Triton fast path (without it, or Triton,
     # PyTorch's ops run everywhere), tensor parallelism under torchrun
     quantize, qwen3_triton, tp = map(optional, ["quantize", "qwen3_triton", "tp"])
-except KeyboardInterrupt:  # Ctrl-C while torch loads: nothing to clean up, nothing to say
+# Ctrl-C while torch loads: nothing to clean up, nothing to say
+except KeyboardInterrupt:
     sys.exit(130)
 
 
@@ -205,7 +206,19 @@ class Generator:
         most = model.args.max_position_embeddings
         require(capacity <= most, f"a cache of {capacity} positions is over the model's {most}: "
                 "ask for fewer positions")
-        model.setup_cache(batch, capacity)
+        # One spare position, never attended: every attended prefix is then a strict slice of the
+        # cache, so a compiled step's contiguity guards hold (no recompile) when it reaches the
+        # capacity
+        model.setup_cache(batch, capacity + 1)
+        # MoE layers multiply by torch._grouped_mm where it has kernels in bf16, eager and compiled
+        # (model.expert_products): the CPU, Hopper and Blackwell. On CUDA before Hopper it loops
+        # over the experts reading where each one's rows end on the host, which a CUDA graph can't
+        # hold.
+        bf16 = model.norm.weight.dtype == torch.bfloat16
+        hopper = on_cuda and torch.cuda.get_device_capability(device)[0] in (9, 10)
+        for module in model.modules():
+            if isinstance(module, Experts):
+                module.grouped_mm = bf16 and (hopper or not on_cuda)
         self.model = model
         self.batch = batch
         self.capacity = capacity
@@ -226,8 +239,11 @@ class Generator:
         # Compiled: the decode step under torch.compile. Graphed: both steps as our CUDA graphs,
         # the prompts padded to a few lengths, a graph each.
         self.compiled, self.graphed = compile, cuda_graph
-        # The attended lengths whose decode step has compiled or captured its own
+        # The attended lengths whose decode step has compiled or captured its own, and the steps
+        # that takes: our graphs capture at a length's first step; on CUDA, cudagraph trees run
+        # that one as a warm-up and record at the second
         self.warmed = set()
+        self.warmup_steps = 1 + (compile and on_cuda)
         # The steps as the Generator runs them: eagerly, as our CUDA graphs, or the decode step
         # compiled. A compiled prefill would take seconds to a minute to compile and save
         # milliseconds a prompt (bench/RESULTS.md), which a command's few prompts never repay.
@@ -355,10 +371,10 @@ class Generator:
                 # The steps until the attended length's next bucket, or the next check
                 kv_len = bucket(longest + produced, self.capacity)
                 steps = min(check_every, max_new - produced, kv_len - longest - produced + 1)
-                # The first step at a new length compiles or captures its own: alone, timed apart
+                # The first steps at a new length compile or capture its own: timed apart
                 kind = "decode_s"
                 if (self.compiled or self.graphed) and kv_len not in self.warmed:
-                    kind, steps = "warmup_s", 1
+                    kind, steps = "warmup_s", min(steps, self.warmup_steps)
                     self.warmed.add(kv_len)
                 for _ in range(steps):
                     self.decode_step(self.attended(longest + produced))

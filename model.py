@@ -257,9 +257,10 @@ class Experts(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         count, inner = args.num_experts, args.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(count, 2 * inner, args.hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(count, args.hidden_size, inner))
-        # set by Transformer.setup_cache (see expert_products)
+        self.gate_up_proj = nn.Parameter(linear_weight(count, 2 * inner, args.hidden_size))
+        self.down_proj = nn.Parameter(linear_weight(count, args.hidden_size, inner))
+        # Whether to multiply by torch._grouped_mm (see expert_products): an engine sets it where
+        # torch has kernels for it
         self.grouped_mm = False
 
     def weights(self, dtype) -> tuple[Tensor, Tensor]:
@@ -284,19 +285,23 @@ class Experts(nn.Module):
         return y[order.argsort()].unflatten(0, picked.shape)
 
 
+def linear_weight(*shape: int) -> Tensor:
+    """Weights (..., out, in) initialised as nn.Linear initialises its own: uniform within 1 /
+    sqrt(in)."""
+    return torch.empty(shape).uniform_(-1, 1) / math.sqrt(shape[-1])
+
+
 def expert_products(rows: Tensor, weight: Tensor, row_experts: Tensor, grouped_mm: bool) -> Tensor:
     """rows (pairs, K), sorted by their experts `row_experts` (pairs,), each times its expert's
     weight (experts, N, K): (pairs, N), in static shapes (for compile and CUDA graphs). The first
     form that serves:
-    - grouped_mm (torch._grouped_mm's kernels: bf16 on the CPU, Hopper and Blackwell; fp32 on the
-      CPU uncompiled): one product, each expert over its own run of rows, whose ends are found on
-      the device;
+    - grouped_mm, where torch._grouped_mm has kernels: one product, each expert over its own run
+      of rows, whose ends are found on the device;
     - no more pairs than experts (a decode step): each row's expert's weight gathered, one
       batched product that reads the picked experts alone;
-    - else (a prefill in fp32 on CUDA or compiled, or in bf16 on a GPU before Hopper): every expert
-      times every row, num_experts times the work, each row keeping its own expert's product."""
-    bf16_or_eager = rows.dtype == torch.bfloat16 or not torch.compiler.is_compiling()
-    if grouped_mm and bf16_or_eager:
+    - else (a prefill): every expert times every row, num_experts times the work, each row keeping
+      its own expert's product."""
+    if grouped_mm:
         experts = torch.arange(len(weight), device=rows.device)
         # (experts,)
         ends = torch.searchsorted(row_experts, experts, right=True)
@@ -329,10 +334,10 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        # An empty weight: nn.Embedding's own random init would load torch._dynamo (seconds) to run
-        # on the meta device, where checkpoints are built, and a checkpoint replaces it anyway
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size,
-                                         _weight=torch.empty(args.vocab_size, args.hidden_size))
+        # Uniform: nn.Embedding's own normal init would load torch._dynamo (seconds) to run on the
+        # meta device, where checkpoints are built
+        weight = torch.empty(args.vocab_size, args.hidden_size).uniform_(-1, 1)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_hidden_layers))
         self.norm = nn.RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
@@ -346,11 +351,8 @@ class Transformer(nn.Module):
         args = self.args
         device = self.norm.weight.device
         dtype = self.norm.weight.dtype
-        # One spare position, never attended: every attended prefix is then a strict slice of the
-        # buffer, so a compiled step's contiguity guards hold (no recompile) when the prefix reaches
-        # the capacity.
         for layer in self.layers:
-            layer.self_attn.kv_cache = StaticKVCache(slots, args.num_key_value_heads, capacity + 1,
+            layer.self_attn.kv_cache = StaticKVCache(slots, args.num_key_value_heads, capacity,
                                                      args.head_dim, dtype, device)
         cos, sin = rope_tables(args, capacity)
         # In the model's dtype, as transformers casts them before rotating
@@ -358,16 +360,6 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin.to(device, dtype), persistent=False)
         key_positions = torch.arange(capacity, device=device)
         self.register_buffer("key_positions", key_positions, persistent=False)
-        # Where torch._grouped_mm has kernels (see expert_products): the CPU, and Hopper and
-        # Blackwell in bf16. On CUDA before Hopper it loops over the experts reading where each
-        # one's rows end on the host, which a CUDA graph can't hold.
-        on_cpu = device.type == "cpu"
-        sm = 0 if on_cpu else torch.cuda.get_device_capability(device)[0]
-        hopper_bf16 = sm in (9, 10) and dtype == torch.bfloat16
-        grouped_mm = hopper_bf16 or (on_cpu and dtype != torch.float16)
-        for module in self.modules():
-            if isinstance(module, Experts):
-                module.grouped_mm = grouped_mm
 
     def forward(self, tokens: Tensor, positions: Tensor | None = None, kv_len: int | None = None,
                 logits_at: Tensor | None = None) -> Tensor:

@@ -470,11 +470,21 @@ def test_moe_parity_with_transformers_fp32(tmp_path, name, grouped_mm):
     kw, sparse = MOE_PARITY[name]
     hf, path = converted(tmp_path, **kw)
     ours = load(path, capacity=128)
-    assert grouped_mm_of(ours) == {True}
+    assert grouped_mm_of(ours) == {False}  # model.py alone: the forms that serve everywhere
     set_grouped_mm(ours, grouped_mm)
     assert [i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")] == sparse
     assert [i for i, layer in enumerate(ours.layers) if isinstance(layer.mlp, M.MoE)] == sparse
     assert_parity(hf, ours, steps=32)
+
+
+def test_the_generator_chooses_the_expert_products_once(tiny_moe):
+    """The engine's one choice, made as it sets the model up: torch._grouped_mm in bf16, eager or
+    compiled, on the CPU (and on Hopper and Blackwell:
+    test_cuda_no_host_sync_inside_prefill_and_decode_steps); the other forms in fp32."""
+    for compiled in (False, True):
+        gen = generator(tiny_moe, dtype=torch.bfloat16, compile=compiled)
+        assert grouped_mm_of(gen.model) == {True}
+    assert grouped_mm_of(generator(tiny_moe).model) == {False}
 
 
 @pytest.mark.parametrize("count", [3, 11], ids=["fewer-rows-than-experts", "more"])
@@ -709,6 +719,31 @@ def test_the_card_files_work_without_the_fast_path(tiny, tmp_path):
                     "--prompt", "hello", "--device", "cpu", cwd=tmp_path, env=env)
     want = f"error: {tmp_path / 'int8'} is int8: loading it needs quantize.py\n"
     assert r.returncode == 1 and r.stderr.endswith(want), r.stderr
+
+
+def test_an_optional_file_there_but_broken_is_an_error(tmp_path, monkeypatch):
+    """Only a missing file, or the missing Triton it needs, reads as "not there": one that is there
+    and fails to import raises, never a silently slower path."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert convert.optional("no_such_optional_file") is None
+    (tmp_path / "needs_triton.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'triton'\", name='triton')\n")
+    assert convert.optional("needs_triton") is None
+    (tmp_path / "broken_name.py").write_text("from model import NoSuchName\n")
+    with pytest.raises(ImportError, match="NoSuchName"):
+        convert.optional("broken_name")
+    (tmp_path / "broken_package.py").write_text("import no_such_package_of_ours\n")
+    with pytest.raises(ModuleNotFoundError, match="no_such_package_of_ours"):
+        convert.optional("broken_package")
+
+
+def test_a_new_model_has_finite_weights():
+    """Transformer(args) on a real device: every weight initialised, none left empty."""
+    args = M.ModelArgs(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=100,
+                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    model = M.Transformer(args)
+    assert all(p.isfinite().all() and p.abs().max() > 0 for p in model.parameters())
 
 
 def test_model_says_what_to_call_first_and_loads_frozen(tiny):
