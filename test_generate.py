@@ -1943,6 +1943,45 @@ def test_compile_without_a_cpp_compiler_is_one_line(tiny):
     one_line_error(r, "compile on the CPU needs g++ (or a C++ compiler in CXX)")
 
 
+# A process that compiles each checkpoint's decode step in turn and prints inductor's and
+# AOTAutograd's counters (cache hits and misses) after each
+CACHE_PROBE = """
+import json, sys
+sys.path.insert(0, {here!r})
+import generate as G
+from torch._dynamo.utils import counters
+for path in {paths!r}:
+    counters.clear()
+    gen = G.Generator(G.load_model(path), batch=1, capacity=64, sampling=G.SamplingParams(),
+                      compile=True)
+    gen.generate([[1, 2, 3]], max_new=3, stop_ids=set())
+    print(json.dumps({{name: dict(counters[name]) for name in ("inductor", "aot_autograd")}}))
+"""
+
+
+@pytest.mark.beside
+def test_a_second_compile_process_starts_from_inductors_cache(tiny, tiny_moe, tmp_path):
+    """--compile's second run is warm: a new process finds the decode step's compiled code in
+    inductor's cache (TORCHINDUCTOR_CACHE_DIR, where our commands leave it), AOTAutograd's too, and
+    compiles nothing; another model finds no entry of the first's and compiles its own."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+
+    def compiled(*paths):
+        code = CACHE_PROBE.format(here=HERE, paths=list(paths))
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                           timeout=LIMIT)
+        assert r.returncode == 0, r.stderr
+        return [json.loads(line) for line in r.stdout.splitlines()]
+    [cold] = compiled(tiny)
+    assert cold["inductor"]["fxgraph_cache_miss"] == 1
+    assert "fxgraph_cache_hit" not in cold["inductor"]
+    warm, other = compiled(tiny, tiny_moe)
+    assert warm["aot_autograd"]["autograd_cache_hit"] == 1
+    assert "autograd_cache_miss" not in warm["aot_autograd"]
+    assert other["aot_autograd"]["autograd_cache_miss"] == 1
+    assert "autograd_cache_hit" not in other["aot_autograd"]
+
+
 def test_compile_and_cuda_graph_are_alternatives(tiny):
     with pytest.raises(SystemExit) as e:
         G.main(["--checkpoint", tiny, "--prompt", "hi", "--compile", "--cuda-graph"])
