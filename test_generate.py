@@ -1723,6 +1723,20 @@ def test_each_new_attended_length_warms_up_apart(tiny):
     assert stats.decode_steps == 0 and stats.warmup_s == 0 and stats.decode_s == 0
 
 
+@needs_cuda
+def test_cuda_compiled_lengths_warm_up_over_two_steps(tiny):
+    """On CUDA, cudagraph trees run a new length's first compiled step without a graph and record
+    its graph at the second: both steps are timed apart, never as decode (the report's rate is the
+    replayed steps')."""
+    prompt = list(range(1, 61))  # its next positions attend to 64, from position 64 on to 128
+    seen = []
+    gen = generator(tiny, device="cuda", dtype=torch.bfloat16, compile=True)
+    _, stats = gen.generate([prompt], max_new=20, stop_ids=set(), check_every=8,
+                            on_tokens=lambda rows: seen.append(len(rows[0])))
+    # Warm-ups: the steps that make tokens 2 and 3 (attending to 64), 6 and 7 (to 128)
+    assert seen == [1, 3, 5, 7, 15, 20] and stats.decode_steps == 15 and stats.warmup_s > 0
+
+
 def test_ctrl_c_in_the_decode_loop_returns_what_was_made(tiny):
     """KeyboardInterrupt (Ctrl-C, or SIGTERM and SIGHUP in our commands) anywhere in the decode
     loop ends it: the tokens made so far come back, read once more, with stats.interrupted; the
