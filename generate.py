@@ -425,7 +425,8 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         try:
             return self.tokenizer.encode(text, add_special_tokens=False).ids
-        except TypeError:  # tokenizers' error for a str that can't be UTF-8 (non-UTF-8 argv)
+        # tokenizers' error for a str that can't be UTF-8 (non-UTF-8 argv)
+        except TypeError:
             raise UserError(f"{text!r} is not valid UTF-8 text") from None
 
     def decode(self, ids: list[int]) -> str:
@@ -608,7 +609,7 @@ def parse_args(argv=None, description: str = __doc__, prompts: bool = True) -> a
     parser.add_argument("--seed", type=int,
                         help="the same seed gives the same text (in fp32, in every mode)")
     parser.add_argument("--max-new-tokens", type=positive, default=200)
-    parser.add_argument("--stop-ids", type=int, nargs="*", default=[],
+    parser.add_argument("--stop-ids", type=int, nargs="+", default=[],
                         help="stop tokens besides the model's eos")
     modes = parser.add_mutually_exclusive_group()
     modes.add_argument("--compile", action="store_true",
@@ -672,17 +673,18 @@ def run(argv) -> None:
         print(f"loading {args.checkpoint} ...", file=sys.stderr, flush=True)
     checkpoint = load(args.checkpoint, split.device if split else args.device, args.dtype, split)
     sampling = dataclasses.replace(checkpoint.sampling, **args.sampling)
-    tokenizer = checkpoint.tokenizer
     if args.chat:
         system = [{"role": "system", "content": args.system}] if args.system else []
         turns = [[*system, {"role": "user", "content": text}] for text in texts]
-        texts = [tokenizer.chat(messages, thinking=not args.no_think) for messages in turns]
-    prompts = [tokenizer.encode(text) for text in texts]
-    # Too long for the model: the Generator says so
-    capacity = args.cache_len or max(map(len, prompts)) + args.max_new_tokens
+        texts = [checkpoint.tokenizer.chat(messages, not args.no_think) for messages in turns]
+    prompts = [checkpoint.tokenizer.encode(text) for text in texts]
+    # A bucket's length within the model's: the decode step compiles for its cache's length, and a
+    # run with another prompt or --max-new-tokens then finds it in inductor's cache
+    needed = max(map(len, prompts)) + args.max_new_tokens
+    capacity = args.cache_len or bucket(needed, checkpoint.model.args.max_position_embeddings)
     gen = Generator(checkpoint.model, batch=len(prompts), capacity=capacity, sampling=sampling,
                     compile=args.compile, cuda_graph=args.cuda_graph)
-    stream = TextStream(tokenizer.decode, args.prompt)
+    stream = TextStream(checkpoint.tokenizer.decode, args.prompt)
     stop_ids = checkpoint.stop_ids | set(args.stop_ids)
     # Ctrl-C in the decode loop ends it: what was generated so far is returned
     rows, stats = gen.generate(prompts, max_new=args.max_new_tokens, stop_ids=stop_ids,

@@ -2202,6 +2202,23 @@ def test_negative_stop_ids_are_refused_before_loading(tiny, monkeypatch):
     assert e.value.code == "error: --stop-ids: token ids are 0 or more"
 
 
+def test_the_cache_holds_a_buckets_length(tiny, monkeypatch, capsys):
+    """Without --cache-len the cache's length is the bucket of the prompt + max new tokens: another
+    prompt or --max-new-tokens of the same bucket keeps the compiled decode step's shapes, and a
+    second run finds it in inductor's cache."""
+    capacities = []
+    real = G.Generator
+
+    def spy(model, **kw):
+        capacities.append(kw["capacity"])
+        return real(model, **kw)
+    monkeypatch.setattr(G, "Generator", spy)
+    for max_new in (5, 7, 200):
+        G.main(["--device", "cpu", "--checkpoint", tiny, "--prompt", "hello world",
+                "--max-new-tokens", str(max_new)])
+    assert capacities == [64, 64, 256]
+
+
 @pytest.mark.parametrize("args,message", [
     (["--temperature", "-1"], "temperature -1.0: must be 0 (greedy) or at least 0.001"),
     (["--temperature", "nan"], "temperature nan: must be 0 (greedy) or at least 0.001"),
@@ -2215,7 +2232,9 @@ def test_negative_stop_ids_are_refused_before_loading(tiny, monkeypatch):
     (["--top-k", "-2"], "top_k -2: must be an int >= 0"),
     (["--prompt", "   "], "empty prompt"),
     (["--max-new-tokens", "100", "--cache-len", "50"], "over the cache length"),
-    (["--max-new-tokens", "5000"], "over the model's"),
+    (["--max-new-tokens", "5000"], "max new tokens (5000) is over the cache length (2048)"),
+    (["--cache-len", "5000"], "a cache of 5000 positions is over the model's 2048"),
+    (["--stop-ids"], "argument --stop-ids: expected at least one argument"),
     (["--cache-len", "-5"], "--cache-len: must be at least 1"),
     (["--cache-len", "-1"], "--cache-len: must be at least 1"),
     (["--cache-len", "0"], "--cache-len: must be at least 1"),
