@@ -1957,6 +1957,45 @@ def test_compile_without_a_cpp_compiler_is_one_line(tiny):
     one_line_error(r, "compile on the CPU needs g++ (or a C++ compiler in CXX)")
 
 
+# A process that compiles each checkpoint's decode step in turn and prints inductor's and
+# AOTAutograd's counters (cache hits and misses) after each
+CACHE_PROBE = """
+import json, sys
+sys.path.insert(0, {here!r})
+import generate as G
+from torch._dynamo.utils import counters
+for path in {paths!r}:
+    counters.clear()
+    gen = G.Generator(G.load_model(path), batch=1, capacity=64, sampling=G.SamplingParams(),
+                      compile=True)
+    gen.generate([[1, 2, 3]], max_new=3, stop_ids=set())
+    print(json.dumps({{name: dict(counters[name]) for name in ("inductor", "aot_autograd")}}))
+"""
+
+
+@pytest.mark.beside
+def test_a_second_compile_process_starts_from_inductors_cache(tiny, tiny_moe, tmp_path):
+    """--compile's second run is warm: a new process finds the decode step's compiled code in
+    inductor's cache (TORCHINDUCTOR_CACHE_DIR, where our commands leave it), AOTAutograd's too, and
+    compiles nothing; another model finds no entry of the first's and compiles its own."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+
+    def compiled(*paths):
+        code = CACHE_PROBE.format(here=HERE, paths=list(paths))
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                           timeout=LIMIT)
+        assert r.returncode == 0, r.stderr
+        return [json.loads(line) for line in r.stdout.splitlines()]
+    [cold] = compiled(tiny)
+    assert cold["inductor"]["fxgraph_cache_miss"] == 1
+    assert "fxgraph_cache_hit" not in cold["inductor"]
+    warm, other = compiled(tiny, tiny_moe)
+    assert warm["aot_autograd"]["autograd_cache_hit"] == 1
+    assert "autograd_cache_miss" not in warm["aot_autograd"]
+    assert other["aot_autograd"]["autograd_cache_miss"] == 1
+    assert "autograd_cache_hit" not in other["aot_autograd"]
+
+
 def test_compile_and_cuda_graph_are_alternatives(tiny):
     with pytest.raises(SystemExit) as e:
         G.main(["--checkpoint", tiny, "--prompt", "hi", "--compile", "--cuda-graph"])
@@ -2117,6 +2156,7 @@ def test_cli_ctrl_c_prints_what_was_generated_and_exits_130(tiny, monkeypatch):
     assert r.stdout.startswith("--- hello\n") and "--- world\n" in r.stdout
 
 
+@pytest.mark.beside
 @pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGHUP"])
 def test_cli_stopped_by_a_signal_ends_as_ctrl_c_does(tiny, signal_name):
     args = ["--device", "cpu", "--checkpoint", tiny, "--max-new-tokens", "100", "--check-every",
@@ -2379,6 +2419,7 @@ def tty_stderr(command: list[str]) -> tuple[int, str]:
     return process.wait(timeout=LIMIT), written.decode()
 
 
+@pytest.mark.beside
 def test_progress_lines_on_a_terminal_alone(snapshot, tmp_path):
     """Loading and converting draw a progress line on stderr where it is a terminal; a log gets
     none."""
@@ -2536,6 +2577,7 @@ def test_loading_refuses_a_tensor_in_two_files(tiny, tmp_path):
         G.load(str(copy))
 
 
+@pytest.mark.beside
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_a_full_stdout_is_one_line(tiny, snapshot, tmp_path):
     """generate.py and the converter writing to a full disk (/dev/full): one line, exit 1."""
@@ -3309,42 +3351,3 @@ def test_chat_refuses_bad_flags_and_a_closed_stdin_before_any_turn(tiny):
             env={"LOCAL_RANK": "0"})
     one_line_error(r, "chat.py is one process: run it without torchrun")
     assert "prefilled" not in r.stderr
-
-
-# A process that compiles each checkpoint's decode step in turn and prints inductor's and
-# AOTAutograd's counters (cache hits and misses) after each
-CACHE_PROBE = """
-import json, sys
-sys.path.insert(0, {here!r})
-import generate as G
-from torch._dynamo.utils import counters
-for path in {paths!r}:
-    counters.clear()
-    gen = G.Generator(G.load_model(path), batch=1, capacity=64, sampling=G.SamplingParams(),
-                      compile=True)
-    gen.generate([[1, 2, 3]], max_new=3, stop_ids=set())
-    print(json.dumps({{name: dict(counters[name]) for name in ("inductor", "aot_autograd")}}))
-"""
-
-
-@pytest.mark.beside
-def test_a_second_compile_process_starts_from_inductors_cache(tiny, tiny_moe, tmp_path):
-    """--compile's second run is warm: a new process finds the decode step's compiled code in
-    inductor's cache (TORCHINDUCTOR_CACHE_DIR, where our commands leave it), AOTAutograd's too, and
-    compiles nothing; another model finds no entry of the first's and compiles its own."""
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-
-    def compiled(*paths):
-        code = CACHE_PROBE.format(here=HERE, paths=list(paths))
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                           timeout=LIMIT)
-        assert r.returncode == 0, r.stderr
-        return [json.loads(line) for line in r.stdout.splitlines()]
-    [cold] = compiled(tiny)
-    assert cold["inductor"]["fxgraph_cache_miss"] == 1
-    assert "fxgraph_cache_hit" not in cold["inductor"]
-    warm, other = compiled(tiny, tiny_moe)
-    assert warm["aot_autograd"]["autograd_cache_hit"] == 1
-    assert "autograd_cache_miss" not in warm["aot_autograd"]
-    assert other["aot_autograd"]["autograd_cache_miss"] == 1
-    assert "autograd_cache_hit" not in other["aot_autograd"]
