@@ -203,10 +203,10 @@ def converted_config(path) -> dict:
     config = pathlib.Path(path, "config.json")
     require(config.is_file(), f"{path}: no converted checkpoint; the converter makes one")
     config = read_json(config)
-    # Every config.json this converter writes has it; an older one's put gate_up_proj's gate rows
-    # first
-    require("gate_up" in config, f"{path} is a Hugging Face snapshot or an older conversion: "
-            "convert the snapshot: convert_hf_checkpoint.py --checkpoint-dir SNAPSHOT --output NEW")
+    # Every config.json this converter writes says so; an older one's interleaved gate and up rows
+    ours = config.get("gate_up") == "halves"
+    require(ours, f"{path} is a Hugging Face snapshot or an older conversion: convert the "
+            "snapshot: convert_hf_checkpoint.py --checkpoint-dir SNAPSHOT --output NEW")
     return config
 
 
@@ -265,8 +265,8 @@ def snapshot_args(src: pathlib.Path) -> tuple[ModelArgs, dict]:
     require("quantization" not in config, f"{src}: already converted; convert its snapshot")
     args = model_args(config)
     eos = sorted(eos_ids(config, "config.json"))
-    # gate_up_proj's rows in gate / up pairs (an older converter's are not: converted_config)
-    ours = dict(dataclasses.asdict(args), eos_token_id=eos, quantization=None, gate_up="pairs")
+    # gate_up_proj's rows [gate; up], as transformers 5's (older conversions: converted_config)
+    ours = dict(dataclasses.asdict(args), eos_token_id=eos, quantization=None, gate_up="halves")
     return args, ours
 
 
@@ -288,9 +288,6 @@ def joined(src: pathlib.Path, name: str, parts: list[str], files: dict, meta) ->
     same = weight.numel() == meta.numel() and weight.shape[-1] == meta.shape[-1]
     require(same, f"{src}: {name} has shape {tuple(weight.shape)}; config.json implies "
             f"{tuple(meta.shape)}")
-    if "gate_up_proj" in name:
-        # (experts, gate / up, inner, columns) -> rows alternating gate and up, as model.MLP's
-        weight = weight.view(-1, 2, meta.shape[-2] // 2, meta.shape[-1]).transpose(1, 2)
     return weight.reshape(meta.shape)
 
 

@@ -2,9 +2,9 @@
 
 The architecture and nothing else: ModelArgs, RoPE (with YaRN), StaticKVCache, Attention, MLP, MoE,
 Block, Transformer. One forward serves every call: a prefill (a prompt per row, many tokens) and a
-decode step (one token per row). Module names follow the Hugging Face checkpoint's, but for the
-fused qkv_proj and gate_up_proj (its gate and up rows interleaved) and the experts' stacked
-weights (as transformers 5 keeps them).
+decode step (one token per row). Module names and tensors are transformers 5's: its stacked
+experts, and our two fused products its tensors concatenated in its order, qkv_proj [q; k; v] and
+the MLP's gate_up_proj [gate; up], as its experts' gate_up_proj is.
 
     model = Transformer(ModelArgs.from_config(config))  # or generate.load_model(path)
     model.setup_cache(slots=1, capacity=512)
@@ -207,8 +207,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """down(silu(gate) * up), gate and up from one product whose rows alternate: gate i, then up i
-    (so that a block of rows holds whole pairs, and a kernel computing them can gate them)."""
+    """down(silu(gate) * up), gate and up from one product: gate_up_proj's rows are [gate; up]."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -217,8 +216,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inner, args.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        # (..., inner, 2): pairs
-        gate, up = self.gate_up_proj(x).unflatten(-1, (-1, 2)).unbind(-1)
+        # (..., inner) each
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -251,8 +250,7 @@ class MoE(nn.Module):
 
 class Experts(nn.Module):
     """num_experts SiLU-gated MLPs, each kind of weight one 3-D parameter: gate_up_proj (experts,
-    2 x inner, hidden), rows alternating gate and up as MLP's, and down_proj (experts, hidden,
-    inner)."""
+    2 x inner, hidden), its rows [gate; up] as MLP's, and down_proj (experts, hidden, inner)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -271,16 +269,16 @@ class Experts(nn.Module):
     def forward(self, tokens: Tensor, picked: Tensor) -> Tensor:
         """Each token (tokens, hidden) through each of its picked experts (tokens, top_k): (tokens,
         top_k, hidden)."""
-        gate_up, down = self.weights(tokens.dtype)
+        gate_up_proj, down_proj = self.weights(tokens.dtype)
         # The (token, pick) pairs' experts (pairs,), sorted so that each expert's pairs are one run
         # of rows
         row_experts, order = picked.flatten().sort()
         # (pairs, hidden): each pair's token
         rows = tokens[order // picked.shape[1]]
-        # (pairs, 2 x inner): gate and up interleaved
-        interleaved = expert_products(rows, gate_up, row_experts, self.grouped_mm)
-        gate, up = interleaved.unflatten(-1, (-1, 2)).unbind(-1)
-        y = expert_products(F.silu(gate) * up, down, row_experts, self.grouped_mm)
+        # (pairs, 2 x inner)
+        gate_up = expert_products(rows, gate_up_proj, row_experts, self.grouped_mm)
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = expert_products(F.silu(gate) * up, down_proj, row_experts, self.grouped_mm)
         # Back in (token, pick) order: pair i is sorted row order.argsort()[i]
         return y[order.argsort()].unflatten(0, picked.shape)
 

@@ -155,7 +155,7 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, KW, x_row,
           BN: tl.constexpr, BK: tl.constexpr, PACK: tl.constexpr, GROUP: tl.constexpr,
           PDL: tl.constexpr):
     # out[j, n] = res[n] + scale[n] * sum_k w[n, k] * a[k], where a = x * norm / rms(x), or x;
-    # GATED, rows 2i and 2i + 1 of that are gate i and up i: out[j, i] = silu(gate) * up. MoE: w
+    # GATED, rows i and N / 2 + i of that are gate i and up i: out[j, i] = silu(gate) * up. MoE: w
     # and scale hold EXPERTS experts, of which the router's logits pick TOP_K, and output j uses
     # pick j; or, ROUTED, output t is pick t's, from its own input row x[t] and weighted by its
     # routing weight, for _add_rows to sum. Quantized weights come as
@@ -170,6 +170,10 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, KW, x_row,
     # Program (tile, j, t): BN rows of output j (picked), or t (ROUTED: a program summing the
     # picks would read their weights one after another, too few bytes in flight).
     n = tl.program_id(0) * BN + tl.arange(0, BN)
+    if GATED:
+        # BN / 2 pairs a program, each a gate row then its up row
+        pair = tl.program_id(0) * (BN // 2) + tl.arange(0, BN) // 2
+        n = pair + tl.arange(0, BN) % 2 * (N // 2)
     j, t = tl.program_id(1), tl.program_id(2)
     # KW weight words per row; GW words per int4 group, else 1; B bits a field
     K = KW * PACK
@@ -324,7 +328,7 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | 
          router: Tensor | None = None, top_k: int = 0, norm_topk_prob: bool = False,
          routed: bool = False, offset: Tensor | None = None) -> Tensor:
     """residual + (weight @ a) * scale for one token x (1, 1, K), where a is RMSNorm(x) * norm with
-    `norm`, else x; with `gated`, its rows alternate gate and up (model.MLP's gate_up_proj), and
+    `norm`, else x; with `gated`, its rows are [gate; up] (model.MLP's gate_up_proj), and
     the output is silu(gate) * up, N / 2 of them. weight (N, K) in x's dtype; or
     int8 (K a multiple of 4) with a `scale` per row; or int4, (N, K / 2) uint8 packed as
     quantize.quantize_int4 packs it, with a `scale` and an `offset` (N, K / group) per group of

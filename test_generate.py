@@ -477,6 +477,24 @@ def test_moe_parity_with_transformers_fp32(tmp_path, name, grouped_mm):
     assert_parity(hf, ours, steps=32)
 
 
+@pytest.mark.parametrize("moe", [None, {}], ids=["dense", "moe"])
+def test_a_transformers_state_dict_is_our_models_tensors(tmp_path, moe):
+    """model.py's tensors are transformers 5's: its model's own state dict, `model.` taken off the
+    names and our fused products its tensors concatenated in its order (q, k, v; gate, up), loads
+    into Transformer strictly, with no converter between, and gives its logits."""
+    hf = hf_checkpoint(str(tmp_path / "hf"), moe=moe)
+    state = {name.removeprefix("model."): t for name, t in hf.state_dict().items()}
+    for fused, parts in convert.FUSED.items():
+        for first in [name for name in state if name.endswith(f".{parts[0]}.weight")]:
+            module = first.removesuffix(f"{parts[0]}.weight")
+            tensors = [state.pop(f"{module}{part}.weight") for part in parts]
+            state[f"{module}{fused}.weight"] = torch.cat(tensors)
+    ours = M.Transformer(ModelArgs.from_config(hf.config.to_dict()))
+    ours.load_state_dict(state)
+    ours.setup_cache(1, 64)
+    assert_parity(hf, ours, steps=8)
+
+
 def test_the_generator_chooses_the_expert_products_once(tiny_moe):
     """The engine's one choice, made as it sets the model up: torch._grouped_mm in bf16, eager or
     compiled, on the CPU (and on Hopper and Blackwell:
@@ -2292,10 +2310,9 @@ def test_cli_bad_files_one_line(tiny, tmp_path):
         broken("genconfig-cold", lambda p: edit_json(p / "generation_config.json", temperature=-1)):
             "temperature -1: must be 0 (greedy) or at least 0.001",
         str(tmp_path / "hf"): "is a Hugging Face snapshot or an older conversion: convert the",
-        # converted before gate_up_proj's rows were interleaved: its config.json has no gate_up
-        broken("older", lambda p: (p / "config.json").write_text(json.dumps(
-            {k: v for k, v in json.loads((p / "config.json").read_text()).items()
-             if k != "gate_up"}))): "an older conversion: convert the snapshot",
+        # converted when gate_up_proj's rows were interleaved: its config.json says "pairs"
+        broken("older", lambda p: edit_json(p / "config.json", gate_up="pairs")):
+            "an older conversion: convert the snapshot",
     }
     hf_checkpoint(str(tmp_path / "hf"))
     for path, message in cases.items():  # in this process: a traceback would fail the test as well
@@ -2877,7 +2894,7 @@ def test_kernel_gemv_matches_reference_ops(device, dtype, tol, N, K):
     with torch.no_grad():
         assert_close(fast.gemv(x, w, None, norm.weight, 1e-6, False, res), res + lin(norm(x)), tol,
                      "norm+res")
-        # w as a gate_up_proj: rows 2i and 2i + 1 are gate i and up i
+        # w as a gate_up_proj: rows i and N / 2 + i are gate i and up i
         got = fast.gemv(x, w, None, norm.weight, 1e-6, True)
         assert got.shape == (1, 1, N // 2)
         assert_close(got, silu_gate(lin(norm(x))), tol, "norm+gated")
@@ -2897,10 +2914,10 @@ def test_kernel_gemv_matches_reference_ops(device, dtype, tol, N, K):
                           dict(offset=offset))
 
 
-def silu_gate(pairs):
-    """silu(gate) * up of a gate_up_proj's output (..., 2 x inner), rows alternating gate and up,
-    as model.MLP takes them."""
-    gate, up = pairs.unflatten(-1, (-1, 2)).unbind(-1)
+def silu_gate(gate_up):
+    """silu(gate) * up of a gate_up_proj's output (..., 2 x inner), [gate; up] as model.MLP takes
+    them."""
+    gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
 
 
@@ -2948,10 +2965,10 @@ def test_kernel_gemv_of_picked_experts_matches_reference_ops(device, dtype, tol,
     with torch.no_grad():
         h = fast.product(gate_up[0], x, norm=norm, gated=True, **routing)
         # (top_k, 2 x N): each pick's gate and up, rounded as the product's output
-        pairs = torch.einsum("k,enk->en", norm(x)[0, 0].float(), gate_up[1][picked]).to(dtype)
+        gate_ups = torch.einsum("k,enk->en", norm(x)[0, 0].float(), gate_up[1][picked]).to(dtype)
         assert h.shape == (top_k, 1, N)
         h = h[:, 0]
-        assert_close(h, silu_gate(pairs.float()), tol, "picked gate-up")
+        assert_close(h, silu_gate(gate_ups.float()), tol, "picked gate-up")
         got = fast.product(down[0], h, residual=res, routed=True, **routing)
         terms = torch.einsum("en,ekn->ek", h.float(), down[1][picked])
         assert_close(got, res + (terms * weights[:, None]).sum(0), tol, "routed down")
@@ -3156,7 +3173,7 @@ def test_code_lines_counts_as_cloc_does():
 
 
 # the optional files' caps; the card's three files: < 1,000
-BUDGET = {"qwen3_triton.py": 400, "quantize.py": 150, "chat.py": 100, "tp.py": 120}
+BUDGET = {"qwen3_triton.py": 440, "quantize.py": 165, "chat.py": 110, "tp.py": 120}
 CARD_FILES = ["model.py", "generate.py", "convert_hf_checkpoint.py"]
 
 

@@ -103,11 +103,13 @@ class TensorParallel:
     def rows(self, module: str, total: int) -> list[slice]:
         """This rank's rows of a fused product's `total` output rows: of q, k and v, or of gate and
         up. Its kv heads start at head rank * kv_heads // world, which replicates each over world /
-        kv_heads ranks where there are fewer kv heads than ranks. gate_up_proj's rows alternate
-        gate and up: a rank's are one run of them."""
+        kv_heads ranks where there are fewer kv heads than ranks. gate_up_proj's rows are [gate;
+        up]: a rank's are a run of each half, at the same place."""
         if module == "gate_up_proj":
-            width = total // self.world
-            return [slice(self.rank * width, self.rank * width + width)]
+            half = total // 2
+            width = half // self.world
+            start = self.rank * width
+            return [slice(start, start + width), slice(half + start, half + start + width)]
         args = self.args
         size = args.head_dim
         q = args.num_attention_heads * size // self.world

@@ -428,7 +428,7 @@ def write_checkpoint(a: argparse.Namespace) -> list:
     model = random_model(a.size, a.quant)
     tensors = convert.checkpoint_tensors(model)
     config = dict(dataclasses.asdict(model.args), eos_token_id=[151645], quantization=None,
-                  gate_up="pairs")
+                  gate_up="halves")
     if a.quant:
         config = quantize.quantized_config(config, a.quant)
     source = pathlib.Path(a.tokenizer_from)
