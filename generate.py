@@ -262,21 +262,18 @@ class Generator:
             self.decode_step = torch.compile(self.decode_one_token, mode="reduce-overhead",
                                              fullgraph=True)
 
-    def prefill_prompts(self, positions: torch.Tensor, kv_positions: torch.Tensor | None) -> None:
+    def prefill_prompts(self, positions: torch.Tensor, kv_len: int) -> None:
         """The prompts in state.sequences at `positions` (R, T), padded after their ends, into cache
         rows 0 ... R - 1; each row's first token drawn from the logits at its last prompt token
-        (just before state.positions) into state.tokens and the row's sequence. kv_positions: None
-        for prompts from position 0; else the prefix of the cache that prompts continuing their
-        rows' cached tokens attend to. Device-side only, as decode_one_token."""
+        (just before state.positions) into state.tokens and the row's sequence. kv_len: the prefix
+        of the cache they attend to; T for prompts from position 0. Device-side only, as
+        decode_one_token."""
         state = self.state
         count = positions.shape[0]
         tokens = state.sequences[:count].gather(1, positions)  # (R, T)
         # (R, 1): the last prompt token's index
         last = state.positions[:count] - positions[:, :1] - 1
-        if kv_positions is None:  # from position 0: causal among themselves
-            logits = self.model(tokens, logits_at=last)
-        else:
-            logits = self.model(tokens, positions, kv_positions.shape[0], logits_at=last)
+        logits = self.model(tokens, positions, kv_len, logits_at=last)
         state.tokens[:count, 0] = self.draw(logits[:, -1])
         state.sequences.scatter_(1, state.positions, state.tokens)
 
@@ -316,9 +313,11 @@ class Generator:
         state.positions[:count, 0] = torch.tensor([start + len(prompt) for prompt in prompts])
         positions = state.prompt_positions[:count, :length]
         positions.copy_(self.model.key_positions[start:start + length])  # to every row
-        # None: prompts from position 0, which attend among themselves
-        kv_positions = self.attended(start + length) if start else None
-        self.prefill_step(positions, kv_positions)
+        # From position 0: the prompts' own length, where they attend causally among themselves
+        kv_len = length
+        if start:
+            kv_len = bucket(start + length, self.capacity)
+        self.prefill_step(positions, kv_len)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], *, max_new: int, stop_ids: set,

@@ -8,7 +8,7 @@ the MLP's gate_up_proj [gate; up], as its experts' gate_up_proj is.
 
     model = Transformer(ModelArgs.from_config(config))  # or generate.load_model(path)
     model.setup_cache(slots=1, capacity=512)
-    logits = model(prompt)  # (1, T) tokens at positions 0 ... T - 1
+    logits = model(prompt, torch.arange(T)[None], kv_len=T)  # a prompt: (1, T) tokens, 0 ... T - 1
     logits = model(next_token, torch.tensor([[T]]))  # the next position
 
 Reading checkpoints lives in generate.py, int8 and int4 in quantize.py, the Triton fast path in
@@ -359,33 +359,32 @@ class Transformer(nn.Module):
         key_positions = torch.arange(capacity, device=device)
         self.register_buffer("key_positions", key_positions, persistent=False)
 
-    def forward(self, tokens: Tensor, positions: Tensor | None = None, kv_len: int | None = None,
+    def forward(self, tokens: Tensor, positions: Tensor, kv_len: int | None = None,
                 logits_at: Tensor | None = None) -> Tensor:
         """Logits (R, T, vocab) of tokens (R, T) at `positions` (R, T), in cache rows 0 ... R - 1.
         Each query attends to every cache position at or below its own in its row: what earlier
-        calls wrote there, and this call's tokens.
-
-        positions None: prompts at positions 0 ... T - 1 in every row, which attend causally among
-        themselves (flash attention, no T x T mask).
+        calls wrote there, and this call's tokens. Positions are always given: the cache can't tell
+        a new prompt from a continuation.
 
         kv_len: attend to the cache's first kv_len positions alone, which is faster; every position
         given must be below it (checked on the device, with no wait for the host). None: the whole
-        cache.
+        cache. kv_len = T: prompts at positions 0 ... T - 1 in every row (so checked), which
+        attend causally among themselves: flash attention, with no T x kv_len mask.
 
         logits_at (R, 1): the index of one token in each row; the logits of those tokens alone,
         (R, 1, vocab), since a prefill needs no others."""
         if self.rope_cos is None:
             raise RuntimeError("call setup_cache(slots, capacity) before running the model")
-        mask = None
-        if positions is None:
-            kv_len = tokens.shape[1]
-            positions = self.key_positions[:kv_len].expand_as(tokens)
-        else:
-            if kv_len is None:
-                kv_len = len(self.key_positions)
-            torch._assert_async((positions < kv_len).all(), "positions past kv_len")
-            # (R, 1, T, kv_len), causal: it hides the unwritten and stale positions too
-            mask = (self.key_positions[:kv_len] <= positions[..., None])[:, None]
+        if kv_len is None:
+            kv_len = len(self.key_positions)
+        attended = self.key_positions[:kv_len]
+        torch._assert_async((positions < kv_len).all(), "positions past kv_len")
+        # (R, 1, T, kv_len), causal: it hides the unwritten and stale positions too
+        mask = (attended <= positions[..., None])[:, None]
+        if kv_len == tokens.shape[1]:
+            # a prompt from position 0: the causal rule is flash attention's own
+            torch._assert_async((positions == attended).all(), "kv_len T needs positions 0 ... T-1")
+            mask = None
         cos = self.rope_cos[positions][:, :, None]
         sin = self.rope_sin[positions][:, :, None]
         ctx = ForwardContext(positions=positions, cos=cos, sin=sin, mask=mask, kv_len=kv_len)

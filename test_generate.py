@@ -548,12 +548,21 @@ def tiny_yarn(tmp_path_factory):
     return converted(tmp_path_factory.mktemp("yarn"), rope=rope, head_dim=32)[1]
 
 
-def natural_calls(model, prompts: torch.Tensor, steps: int = 3, rows=None) -> list:
-    """The calls a new user writes: model(prompts) for prompts (R, T) from position 0, then
-    model(token, positions) a token at a time, greedy. rows: run them as the rows of a bigger cache,
-    which earlier calls filled with other tokens. Returns each call's last logits (R, vocab)."""
+def prompt_call(model, prompts: torch.Tensor, **options) -> torch.Tensor:
+    """model(prompts, positions, kv_len=T) for prompts (R, T) at positions 0 ... T - 1: the
+    causal path."""
     count, length = prompts.shape
-    out = [model(prompts)[:, -1]]
+    positions = torch.arange(length, device=prompts.device).expand(count, -1)
+    return model(prompts, positions, length, **options)
+
+
+def natural_calls(model, prompts: torch.Tensor, steps: int = 3, rows=None) -> list:
+    """The calls a new user writes: model(prompts, positions) for prompts (R, T) from position 0,
+    then model(token, positions) a token at a time, greedy. rows: run them as the rows of a bigger
+    cache, which earlier calls filled with other tokens. Returns each call's last logits (R,
+    vocab)."""
+    count, length = prompts.shape
+    out = [model(prompts, torch.arange(length).expand(count, -1))[:, -1]]
     for step in range(steps):
         token = out[-1].argmax(-1, keepdim=True)  # (R, 1)
         positions = torch.full((count, 1), length + step, device=prompts.device)
@@ -571,12 +580,12 @@ def test_the_natural_decode_call_gives_the_whole_sequences_logits(checkpoint, re
     torch.manual_seed(11)
     model = load(path, slots=2, capacity=128)
     with torch.no_grad():
-        model(torch.randint(0, VOCAB, (2, 100)))  # stale keys at positions 0 ... 99
+        prompt_call(model, torch.randint(0, VOCAB, (2, 100)))  # stale keys at positions 0 ... 99
         prompts = torch.randint(0, VOCAB, (2, 8))
         got = natural_calls(model, prompts)
         sequences = torch.cat([prompts, torch.stack(got[:-1], 1).argmax(-1)], 1)  # (2, 11)
         for step, logits in enumerate(got):
-            whole = load(path, slots=2, capacity=128)(sequences[:, :8 + step])
+            whole = prompt_call(load(path, slots=2, capacity=128), sequences[:, :8 + step])
             assert torch.allclose(logits, whole[:, -1], atol=1e-5), step
 
 
@@ -597,9 +606,10 @@ def test_cuda_the_natural_decode_call_in_every_mode(checkpoint, mode, request):
     run = {"eager": step, "compile": torch.compile(step, mode="reduce-overhead", fullgraph=True),
            "graph": G.CUDAGraphs(step)}[mode]
     with torch.no_grad():
-        model(prompt)
+        prompt_call(model, prompt)
         run()
-        whole = load(path, capacity=64, device="cuda")(torch.cat([prompt, token], 1))[:, -1]
+        whole = prompt_call(load(path, capacity=64, device="cuda"), torch.cat([prompt, token], 1))
+    whole = whole[:, -1]
     assert torch.allclose(out, whole, atol=1e-5)
 
 
@@ -608,12 +618,25 @@ def test_a_shorter_attended_prefix_is_faster_never_wrong(tiny):
     given, and is refused where it doesn't (a query would miss its own key)."""
     model = load(tiny, capacity=128)
     with torch.no_grad():
-        model(torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]]))
+        prompt_call(model, torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]]))
         token, position = torch.tensor([[9]]), torch.tensor([[8]])
         whole = model(token, position)
         assert torch.equal(model(token, position, kv_len=64), whole)
         with pytest.raises(RuntimeError, match="positions past kv_len"):
             model(token, position, kv_len=8)
+
+
+def test_a_call_that_cant_be_right_is_refused(tiny):
+    """After a prompt, model(token) with no positions could mean a new prompt or the next token:
+    positions are required. kv_len T (the causal path) with positions other than 0 ... T - 1 is
+    refused on the device."""
+    model = load(tiny, capacity=64)
+    with torch.no_grad():
+        prompt_call(model, torch.tensor([[1, 2, 3, 4]]))
+        with pytest.raises(TypeError, match="positions"):
+            model(torch.tensor([[5]]))
+        with pytest.raises(RuntimeError, match=r"kv_len T needs positions 0 \.\.\. T-1"):
+            model(torch.tensor([[5, 6]]), torch.tensor([[1, 0]]), kv_len=2)
 
 
 def test_parity_with_transformers_bf16(tmp_path):
@@ -699,7 +722,7 @@ def test_model_py_alone_runs_the_pytorch_path(tiny, tmp_path):
             m.load_state_dict(load_file(shard), strict=False)
         m.setup_cache(1, 64)
         with torch.no_grad():
-            logits = m(torch.tensor([[1, 2, 3]]))
+            logits = m(torch.tensor([[1, 2, 3]]), torch.tensor([[0, 1, 2]]))
         ours = {{"qwen3_triton", "generate", "convert_hf_checkpoint", "quantize"}}
         assert not ours & set(sys.modules)
         torch.save(logits, {str(tmp_path / "logits.pt")!r})""")
@@ -926,8 +949,8 @@ def test_convert_memory_stays_bounded(tmp_path):
     model = load(str(src / "converted"))  # and the result is complete
     last = model.layers[39].mlp.gate_up_proj.weight
     up = "model.layers.39.mlp.up_proj.weight"
-    # up's rows are every second one
-    assert torch.equal(last[1::2], load_file(src / weight_map[up])[up])
+    # up's rows are the second half
+    assert torch.equal(last[last.shape[0] // 2:], load_file(src / weight_map[up])[up])
 
 
 def test_convert_moe_memory_does_not_grow_with_the_model(tmp_path):
@@ -946,7 +969,7 @@ def test_convert_moe_memory_does_not_grow_with_the_model(tmp_path):
     last = model.layers[19].mlp.experts.gate_up_proj
     assert last.shape == (64, 256, 256)
     up = "model.layers.19.mlp.experts.63.up_proj.weight"
-    assert torch.equal(last[63, 1::2], load_file(src / weight_map[up])[up])
+    assert torch.equal(last[63, 128:], load_file(src / weight_map[up])[up])
 
 
 @pytest.fixture
@@ -1619,24 +1642,24 @@ def test_logits_at_gives_those_tokens_logits_alone(checkpoint, request):
     at = torch.tensor([[39], [17]])
     full = load(path, slots=2)
     with torch.no_grad():
-        want = full(tokens)
-        for given in (None, positions):
-            got = load(path, slots=2)(tokens, given, logits_at=at)
+        want = prompt_call(full, tokens)
+        for kv_len in (40, None):
+            got = load(path, slots=2)(tokens, positions, kv_len, logits_at=at)
             assert got.shape == (2, 1, VOCAB)
             for row in range(2):
                 assert torch.allclose(got[row, 0], want[row, at[row, 0]], atol=1e-5)
 
 
 def test_causal_prompt_path_equals_the_masked_one(tiny):
-    """A prompt from position 0 attends causally without a mask (positions None: flash attention
-    on CUDA); the same prompt through the position mask gives the same logits."""
+    """A prompt from position 0 attends causally without a mask (kv_len T: flash attention on
+    CUDA); the same prompt through the position mask gives the same logits."""
     torch.manual_seed(9)
     prompt = torch.randint(0, VOCAB, (2, 300))
     model = load(tiny, slots=2, capacity=512)
     positions = torch.arange(300).expand(2, -1)
     with torch.no_grad():
-        causal = model(prompt)
-        masked = model(prompt, positions, 300)
+        causal = model(prompt, positions, 300)
+        masked = model(prompt, positions)
     assert torch.allclose(causal, masked, atol=1e-5)
 
 
