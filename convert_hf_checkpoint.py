@@ -47,7 +47,8 @@ def require(condition: bool, message: str) -> None:
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message):  # one line, as for every other bad input
+    # One line, as for every other bad input
+    def error(self, message):
         raise UserError(message)
 
 
@@ -75,7 +76,8 @@ def read_json(path) -> dict:
     """A JSON object from a file; anything else (unreadable, not JSON, a list) is a UserError."""
     try:
         value = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:  # ValueError: not UTF-8, or not JSON
+    # ValueError: not UTF-8, or not JSON
+    except (OSError, ValueError) as e:
         raise UserError(f"{path}: not a readable JSON file ({e})") from None
     kind = type(value).__name__
     require(kind == "dict", f"{path}: not a JSON object but {kind}; download or convert it again")
@@ -291,16 +293,18 @@ def joined(src: pathlib.Path, name: str, parts: list[str], files: dict, meta) ->
     return weight.reshape(meta.shape)
 
 
-def convert(src: str, out: str, quantization: str | None = None,
-            shard_bytes: int = 2 << 30) -> None:
+def convert(src: str, out: str, quantization: str | None = None, shard_bytes: int = 2 << 30,
+            group_size: int | None = None) -> None:
     """Converts the snapshot `src` into the new directory `out`, in shards of about shard_bytes;
-    with `quantization` ("int8", or "int4" in groups of 128), quantized by quantize.py as read."""
+    with `quantization` ("int8", or "int4" in groups of `group_size`, 128 by default), quantized by
+    quantize.py as read."""
     src = pathlib.Path(src)
     args, config = snapshot_args(src)
+    require(quantization or group_size is None, "--group-size goes with --quantize int4")
     if quantization:
         quantize = optional("quantize")
         require(quantize, f"{quantization} needs quantize.py beside this file")
-        config = quantize.quantized_config(config, quantization)
+        config = quantize.quantized_config(config, quantization, group_size)
     with torch.device("meta"):
         model = Transformer(args)
     expected = checkpoint_tensors(model)
@@ -403,8 +407,8 @@ def main(argv=None):
     parser.add_argument("--checkpoint-dir", required=True,
                         help="a Hugging Face Qwen3 snapshot (config.json + *.safetensors)")
     parser.add_argument("--output", help="default: CHECKPOINT_DIR/converted[-QUANTIZE]")
-    parser.add_argument("--quantize", choices=["int8", "int4"],
-                        help="weight-only, by quantize.py (int4 in groups of 128)")
+    parser.add_argument("--quantize", choices=["int8", "int4"], help="weight-only, by quantize.py")
+    parser.add_argument("--group-size", type=int, help="int4: columns a scale (default 128)")
     parser.add_argument("--shard-size-mb", type=positive, default=2048,
                         help="size of each output file")
     stop_on_signals()
@@ -412,7 +416,7 @@ def main(argv=None):
         args = parser.parse_args(argv)
         name = f"converted-{args.quantize}" if args.quantize else "converted"
         out = os.path.join(args.checkpoint_dir, name) if args.output is None else args.output
-        convert(args.checkpoint_dir, out, args.quantize, args.shard_size_mb << 20)
+        convert(args.checkpoint_dir, out, args.quantize, args.shard_size_mb << 20, args.group_size)
         # On stderr, as every message: stdout may be full, though the checkpoint is written
         print(f"wrote {out}", file=sys.stderr)
     except KeyboardInterrupt:

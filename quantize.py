@@ -155,9 +155,15 @@ def group_size_of(config: dict) -> int | None:
     if mode == "int8":
         return None
     size = config.get("group_size")
-    fits = type(size) is int and size >= 8 and size & (size - 1) == 0
-    convert.require(fits, f"group size {size!r}: it must be a power of two, at least 8")
+    convert.require(is_group_size(size), f"config.json: int4's group_size {size!r} is no power of "
+                    "two of at least 8: quantize the bf16 checkpoint again")
     return size
+
+
+def is_group_size(size) -> bool:
+    """Whether int4 can group columns by `size`: a power of two, at least 8 (the fast path reads
+    int4 weights 8 to a word, and its blocks hold whole groups)."""
+    return type(size) is int and size >= 8 and size & (size - 1) == 0
 
 
 def swap_in(model: Transformer, config: dict) -> None:
@@ -188,11 +194,16 @@ def swap_in(model: Transformer, config: dict) -> None:
                 setattr(parent, name, layer)
 
 
-def quantized_config(config: dict, mode: str, group_size: int = GROUP_SIZE) -> dict:
-    """The config.json of a bf16 checkpoint's `config`, quantized as `mode`."""
+def quantized_config(config: dict, mode: str, group_size: int | None = None) -> dict:
+    """The config.json of a bf16 checkpoint's `config`, quantized as `mode`: int4 in groups of
+    `group_size` columns (None: GROUP_SIZE). A group size that can't be one is refused."""
     if mode == "int8":
+        convert.require(group_size is None, "--group-size is int4's: int8 scales whole rows")
         return dict(config, quantization=mode)
-    return dict(config, quantization=mode, group_size=group_size)
+    size = GROUP_SIZE if group_size is None else group_size
+    fits = is_group_size(size)
+    convert.require(fits, f"--group-size {size}: int4 needs a power of two, at least 8")
+    return dict(config, quantization=mode, group_size=size)
 
 
 def quantizing(config: dict, tensors) -> tuple:
@@ -219,17 +230,15 @@ def main(argv=None):
     parser.add_argument("--checkpoint", required=True,
                         help="a directory that convert_hf_checkpoint.py wrote")
     parser.add_argument("--mode", choices=MODES, required=True)
-    parser.add_argument("--group-size", type=convert.positive,
+    parser.add_argument("--group-size", type=int,
                         help=f"int4: input columns per scale and offset (default {GROUP_SIZE})")
     parser.add_argument("--output", help="default: CHECKPOINT-MODE")
     convert.stop_on_signals()
     try:
         args = parser.parse_args(argv)
-        if args.mode == "int8" and args.group_size:
-            raise convert.UserError("--group-size is int4's: int8 scales whole rows")
         default = args.checkpoint.rstrip("/") + f"-{args.mode}"
         out = default if args.output is None else args.output
-        quantize_checkpoint(args.checkpoint, out, args.mode, args.group_size or GROUP_SIZE)
+        quantize_checkpoint(args.checkpoint, out, args.mode, args.group_size)
         print(f"wrote {out}", file=sys.stderr)  # as the converter: stdout may be full
     except KeyboardInterrupt:
         convert.exit_interrupted("interrupted: nothing was written")
@@ -237,7 +246,7 @@ def main(argv=None):
         convert.exit_on(e)
 
 
-def quantize_checkpoint(path: str, out: str, mode: str, group_size: int = GROUP_SIZE) -> None:
+def quantize_checkpoint(path: str, out: str, mode: str, group_size: int | None = None) -> None:
     """A converted bf16 checkpoint `path`, quantized as `mode` into `out`: a tensor at a time."""
     config = convert.converted_config(path)
     if config["quantization"] is not None:

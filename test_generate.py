@@ -1373,6 +1373,11 @@ def test_int4_modules_equal_their_dequantized_weights(tmp_path, moe):
     r = cli("--checkpoint", path, "--mode", "int4", "--group-size", "32", "--output",
             str(tmp_path / "g32"), script=script)
     assert r.returncode == 0, r.stderr
+    # The converter's --group-size: the same checkpoint in one pass
+    convert.main(["--checkpoint-dir", str(tmp_path / "hf"), "--quantize", "int4", "--group-size",
+                  "32", "--output", str(tmp_path / "g32-one-pass")])
+    ours, theirs = (read_all(p) for p in (tmp_path / "g32", tmp_path / "g32-one-pass"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     for directory, group in ((one_pass, 128), (tmp_path / "g32", 32)):
         config = json.load(open(directory / "config.json"))
         assert config["quantization"] == "int4" and config["group_size"] == group
@@ -1421,7 +1426,7 @@ def test_int4_quality_against_fp32(tmp_path, moe):
     assert 0.95 * 3.5 * quantized < shrunk < 3.5 * quantized
 
 
-def test_int4_bad_inputs_are_one_line(tiny, tmp_path, snapshot):
+def test_int4_bad_inputs_are_one_line(tiny, tmp_path, snapshot, capsys):
     """A group size that no layer's input divides, or no power of two, or given to int8; int4 of
     a snapshot whose layers 128 doesn't divide: each refused in one line, nothing written. A
     config.json with an unknown quantization or a bad group size is refused; then generate.py runs
@@ -1431,7 +1436,8 @@ def test_int4_bad_inputs_are_one_line(tiny, tmp_path, snapshot):
     refusals = {("int4", "128"): "layers.0.self_attn.qkv_proj: its 64 input columns are no "
                                  "multiple of the group size 128 (quantize.py --group-size "
                                  "sets it)",
-                ("int4", "24"): "group size 24: it must be a power of two, at least 8",
+                ("int4", "24"): "--group-size 24: int4 needs a power of two, at least 8",
+                ("int4", "0"): "--group-size 0: int4 needs a power of two, at least 8",
                 ("int8", "64"): "--group-size is int4's"}
     for (mode, group), message in refusals.items():
         r = cli("--checkpoint", tiny, "--mode", mode, "--group-size", group, "--output", out,
@@ -1442,10 +1448,15 @@ def test_int4_bad_inputs_are_one_line(tiny, tmp_path, snapshot):
             script="convert_hf_checkpoint.py")
     one_line_error(r, "its 64 input columns are no multiple of the group size 128")
     assert not os.path.exists(out)
+    for flags, message in ((["--group-size", "64"], "--group-size goes with --quantize int4"),
+                           (["--quantize", "int8", "--group-size", "64"], "--group-size is int4's"),
+                           (["--quantize", "int4", "--group-size", "12"], "--group-size 12: int4")):
+        error = convert_error(["--checkpoint-dir", str(snapshot), *flags, "--output", out], capsys)
+        assert message in error and not os.path.exists(out), error
     Q.quantize_checkpoint(tiny, out, "int4", 16)
     for changes, message in ((dict(quantization="int3"), "unknown quantization 'int3'"),
-                             (dict(group_size="16"), "group size '16': it must be"),
-                             (dict(group_size=None), "group size None: it must be")):
+                             (dict(group_size="16"), "config.json: int4's group_size '16' is no"),
+                             (dict(group_size=None), "int4's group_size None is no power of two")):
         edit_json(pathlib.Path(out, "config.json"), **changes)
         with pytest.raises(UserError, match=re.escape(message)):
             load(out)
@@ -2696,7 +2707,7 @@ def quantized_of(tmp_path, mode, **kw):
     moe_intermediate_size=64, and each share of them up to 4 ranks)."""
     hf, path = converted(tmp_path, **kw)
     out = str(tmp_path / mode)
-    Q.quantize_checkpoint(path, out, mode, group_size=8)
+    Q.quantize_checkpoint(path, out, mode, group_size=8 if mode == "int4" else None)
     return out
 
 
