@@ -443,6 +443,8 @@ class Tokenizer:
         import jinja2.sandbox
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        # Hugging Face templates refuse what they can't render with raise_exception(message)
+        env.globals["raise_exception"] = functools.partial(require, False)
         try:
             template = env.from_string(self.chat_template)
             return template.render(messages=messages, add_generation_prompt=True,

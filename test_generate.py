@@ -2160,6 +2160,10 @@ def test_chat_template_from_the_checkpoint_first_refused_where_it_has_none(tiny,
     (own / "chat_template.jinja").write_text("{{ messages[0].content | no_such_filter }}")
     with pytest.raises(UserError, match="the checkpoint's chat template fails: .*no_such_filter"):
         G.Tokenizer(str(own)).chat(user_says("hi"))
+    # Hugging Face's raise_exception: the template's own words
+    (own / "chat_template.jinja").write_text("{{ raise_exception('Roles must alternate.') }}")
+    with pytest.raises(UserError, match="chat template fails: Roles must alternate.$"):
+        G.Tokenizer(str(own)).chat(user_says("hi"))
     for failing in ("{{ 1 / 0 }}", "{% for i in range(10 ** 9) %}{% endfor %}"):
         (own / "chat_template.jinja").write_text(failing)  # Python's errors, not Jinja's
         with pytest.raises(UserError, match="the checkpoint's chat template fails: "):
