@@ -77,7 +77,7 @@ def read_json(path) -> dict:
     try:
         value = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
     # ValueError: not UTF-8, or not JSON
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise UserError(f"{path}: not a readable JSON file ({e})") from None
     kind = type(value).__name__
     require(kind == "dict", f"{path}: not a JSON object but {kind}; download or convert it again")
@@ -100,7 +100,7 @@ def list_tensors(directory, pattern: str) -> dict[str, str]:
     require(files, f"{directory}: no {pattern} files; download or convert it again")
     tensors = {}
     for file in files:
-        require(os.access(file, os.R_OK), f"{file}: not readable by you (its permissions)")
+        require(os.access(file, os.R_OK), f"{file}: not readable (a broken link, or permissions)")
         try:
             with safe_open(file, "pt") as opened:
                 names = list(opened.keys())
@@ -118,7 +118,8 @@ def read_tensor(file: str, name: str) -> torch.Tensor:
         # Opened per tensor: only this tensor's pages are ever mapped
         with safe_open(file, "pt") as tensors:
             return tensors.get_tensor(name)
-    except Exception as e:  # safetensors' own error type
+    # safetensors' own error type
+    except Exception as e:
         raise UserError(f"{file}: tensor {name} unreadable ({e}): download it again") from None
 
 
@@ -190,13 +191,13 @@ def model_args(config: dict) -> ModelArgs:
     return args
 
 
-def eos_ids(config: dict, file: str) -> set[int]:
-    """The end-of-sequence tokens of a config.json or generation_config.json: one id, or a
-    list."""
+def eos_ids(config: dict, file: str, vocab: int) -> set[int]:
+    """The end-of-sequence tokens of a config.json or generation_config.json: one id, or a list,
+    each of the model's vocabulary of `vocab`."""
     eos = config.get("eos_token_id", [])
     ids = eos if isinstance(eos, list) else [eos]
-    if not all(type(i) is int and i >= 0 for i in ids):
-        raise UserError(f"{file}: eos_token_id {eos!r} is not token ids")
+    if not all(type(i) is int and 0 <= i < vocab for i in ids):
+        raise UserError(f"{file}: eos_token_id {eos!r} is not token ids in [0, {vocab})")
     return set(ids)
 
 
@@ -227,7 +228,8 @@ def read_tokenizer(path):
     file = pathlib.Path(path, "tokenizer.json")
     try:
         return tokenizers.Tokenizer.from_file(str(file))
-    except Exception as e:  # the tokenizers library's own error type
+    # The tokenizers library's own error type
+    except Exception as e:
         raise UserError(f"{file}: no readable tokenizer ({e})") from None
 
 
@@ -258,15 +260,15 @@ def snapshot_args(src: pathlib.Path) -> tuple[ModelArgs, dict]:
     require((src / "config.json").is_file(), f"{src}: no config.json; is it a Qwen3 snapshot?")
     # Refused now if missing or broken, not when generating
     read_tokenizer(src)
-    if (src / "generation_config.json").is_file():
-        # Likewise, if it isn't JSON
-        read_json(src / "generation_config.json")
     config = read_json(src / "config.json")
     if "quantization_config" in config:
         raise UserError(f"{src}: quantized snapshots are not supported: use the bf16 one")
     require("quantization" not in config, f"{src}: already converted; convert its snapshot")
     args = model_args(config)
-    eos = sorted(eos_ids(config, "config.json"))
+    # Likewise generation_config.json, if it isn't JSON or its eos ids aren't the model's
+    file = src / "generation_config.json"
+    eos_ids(read_json(file) if file.is_file() else {}, file, args.vocab_size)
+    eos = sorted(eos_ids(config, "config.json", args.vocab_size))
     # gate_up_proj's rows [gate; up], as transformers 5's (older conversions: converted_config)
     ours = dict(dataclasses.asdict(args), eos_token_id=eos, quantization=None, gate_up="halves")
     return args, ours
@@ -319,7 +321,8 @@ def convert(src: str, out: str, quantization: str | None = None, shard_bytes: in
     pairs = ((name, joined(src, name, parts, files, expected[name]))
              for name, parts in sources.items())
     count = len(expected)
-    if quantization:  # a tensor at a time, as read
+    # A tensor at a time, as read
+    if quantization:
         pairs, count = quantize.quantizing(config, pairs)
     write_checkpoint(out, pairs, count, config, src, shard_bytes)
 
@@ -353,7 +356,8 @@ def write_checkpoint(out: str, tensors, count: int, config: dict, src: pathlib.P
             if sum(t.nbytes for t in shard.values()) >= shard_bytes or done == count:
                 files.append(tmp / f"{len(files)}.safetensors")
                 save_file(shard, files[-1])
-                files[-1].chmod(0o666 & ~umask)  # save_file makes it private
+                # save_file makes it private
+                files[-1].chmod(0o666 & ~umask)
                 shard = {}
             show_progress(f"writing {out}", done, count)
         # Named as the hub names shards, once their count is known
@@ -363,8 +367,10 @@ def write_checkpoint(out: str, tensors, count: int, config: dict, src: pathlib.P
         for name in COPIED:
             if (src / name).is_file():
                 shutil.copy(src / name, tmp)
-        tmp.rename(out)  # only now that it is complete
-    except BaseException:  # an error, Ctrl-C, SIGTERM or SIGHUP
+        # Only now that it is complete
+        tmp.rename(out)
+    # An error, Ctrl-C, SIGTERM or SIGHUP
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         for directory in made:
             # Something else was put there meanwhile: it stays
@@ -396,7 +402,8 @@ def exit_on(error: Exception):
     """Exits with one line for one of the USER_ERRORS; quietly on a stdout closed early (`| head`),
     as Unix tools do."""
     # Nothing more to stdout: a full or closed one fails again at exit's flush
-    sys.stdout = open(os.devnull, "w")  # open until the exit
+    # Open until the exit
+    sys.stdout = open(os.devnull, "w")
     if isinstance(error, BrokenPipeError):
         sys.exit(141)
     sys.exit(f"error: {error}")

@@ -524,7 +524,9 @@ def load(path: str, device="cpu", dtype: torch.dtype | None = None, split=None) 
     file = pathlib.Path(path, "generation_config.json")
     generation_config = read_json(file) if file.is_file() else {}
     sampling = SamplingParams.from_generation_config(generation_config)
-    stop_ids = eos_ids(generation_config, file) | eos_ids(converted_config(path), "config.json")
+    # Each of the vocabulary: one out of it would blame the stop ids of a user who gave none
+    stop_ids = eos_ids(generation_config, file, model.args.vocab_size)
+    stop_ids |= eos_ids(converted_config(path), "config.json", model.args.vocab_size)
     return Checkpoint(model=model, tokenizer=Tokenizer(path), sampling=sampling, stop_ids=stop_ids)
 
 

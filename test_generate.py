@@ -688,7 +688,7 @@ def test_config_variants():
     # transformers' name
     assert convert.model_args({**moe, "num_local_experts": 16}).num_experts == 16
     assert convert.model_args({**moe, "num_experts": 64}).num_experts == 64  # the hub's
-    assert convert.eos_ids({**base, "eos_token_id": 7}, "config.json") == {7}
+    assert convert.eos_ids({**base, "eos_token_id": 7}, "config.json", 8) == {7}
     for bad in [{"num_hidden_layers": "two"}, {"hidden_size": -1}, {"tie_word_embeddings": "yes"},
                 {"rope_theta": "big"}, {"mlp_only_layers": 3.5}, {"rope_parameters": [1]}]:
         with pytest.raises(UserError, match="config.json: "):
@@ -1003,6 +1003,10 @@ def test_convert_bad_inputs_one_line_and_nothing_written(snapshot, tmp_path, cap
     out = tmp_path / "out"
     argv = ["--checkpoint-dir", str(snapshot), "--output", str(out)]
     assert "no config.json" in convert_error(["--checkpoint-dir", str(tmp_path)], capsys)
+    # generation_config.json's eos ids are the model's, or the result would be refused
+    edit_json(snapshot / "generation_config.json", eos_token_id=-1)
+    assert "generation_config.json: eos_token_id -1 is not token ids" in convert_error(argv, capsys)
+    edit_json(snapshot / "generation_config.json", eos_token_id=3)
     shards = sorted(p for p in snapshot.iterdir() if p.suffix == ".safetensors")
     # a truncated shard (the last one, so the others are written before the failure)
     data = shards[-1].read_bytes()
@@ -1543,8 +1547,9 @@ def test_sampling_settings_from_generation_config_are_checked_as_flags_are():
             G.SamplingParams.from_generation_config({**config, **bad})
     for eos in ([1, "2"], "<|im_end|>", [True], -1, [1.5]):
         with pytest.raises(UserError, match="generation_config.json: eos_token_id .* is not token"):
-            convert.eos_ids({"eos_token_id": eos}, "generation_config.json")
-    assert convert.eos_ids({"eos_token_id": 7}, "") == {7} and convert.eos_ids({}, "") == set()
+            convert.eos_ids({"eos_token_id": eos}, "generation_config.json", 100)
+    assert convert.eos_ids({"eos_token_id": 7}, "", 8) == {7}
+    assert convert.eos_ids({}, "", 8) == set()
 
 
 def test_the_python_api_refuses_bad_arguments_naming_them(tiny):
@@ -2351,6 +2356,14 @@ def test_cli_bad_files_one_line(tiny, tmp_path):
         # converted when gate_up_proj's rows were interleaved: its config.json says "pairs"
         broken("older", lambda p: edit_json(p / "config.json", gate_up="pairs")):
             "an older conversion: convert the snapshot",
+        broken("nested", lambda p: (p / "config.json").write_text("[" * 100_000)):
+            "config.json: not a readable JSON file",
+        broken("eos-past-vocab", lambda p: edit_json(p / "config.json", eos_token_id=[2 ** 70])):
+            f"config.json: eos_token_id [{2 ** 70}] is not token ids in [0, {VOCAB})",
+        # the shard a link to nothing
+        broken("dangling", lambda p: (p / "model-00001-of-00001.safetensors").unlink()
+               or (p / "model-00001-of-00001.safetensors").symlink_to(p / "gone")):
+            "not readable (a broken link, or permissions)",
     }
     hf_checkpoint(str(tmp_path / "hf"))
     for path, message in cases.items():  # in this process: a traceback would fail the test as well
