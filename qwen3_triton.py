@@ -140,19 +140,19 @@ def _route(router, EXPERTS: tl.constexpr, TOP_K: tl.constexpr, NORM_TOPK: tl.con
 
 
 @triton.jit
-def _weight_block(w_rows, n, k0, N, KW, BK: tl.constexpr):
+def _weight_block(w_rows, n, k0, N, row_words, BK: tl.constexpr):
     # Words k0 ... k0 + BK - 1 of weight rows n, 0 past the ends: (BN, BK)
     words = k0 + tl.arange(0, BK)
-    mask = (n[:, None] < N) & (words[None, :] < KW)
-    return tl.load(w_rows + n[:, None] * KW + words[None, :], mask=mask, other=0)
+    mask = (n[:, None] < N) & (words[None, :] < row_words)
+    return tl.load(w_rows + n[:, None] * row_words + words[None, :], mask=mask, other=0)
 
 
 @triton.jit
-def _gemv(x, weight, scale, offset, norm, res, out, router, N, KW, x_row,
+def _gemv(x, weight, scale, offset, norm, res, out, router, N, row_words, x_row,
           eps: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
           SCALE: tl.constexpr, RES: tl.constexpr, EXPERTS: tl.constexpr, TOP_K: tl.constexpr,
           NORM_TOPK: tl.constexpr, ROUTED: tl.constexpr, EB: tl.constexpr, KB: tl.constexpr,
-          BN: tl.constexpr, BK: tl.constexpr, PACK: tl.constexpr, GROUP: tl.constexpr,
+          BN: tl.constexpr, BK: tl.constexpr, PACK: tl.constexpr, GROUP_SIZE: tl.constexpr,
           PDL: tl.constexpr):
     # out[j, n] = res[n] + scale[n] * sum_k w[n, k] * a[k], where a = x * norm / rms(x), or x;
     # GATED, rows i and N / 2 + i of that are gate i and up i: out[j, i] = silu(gate) * up. MoE: w
@@ -164,7 +164,8 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, KW, x_row,
     # the subnormal u * 2^(shift - 149), exactly: one integer operation a weight, where a
     # conversion instruction a weight would be the limit. int8's u = q + 128 (its sign bit flipped
     # in the same operation): the sum of a times 128 is taken off at the end. int4's w = q * scale
-    # + offset per GROUP columns of a row: the sums of q * a of a block's groups are scaled, plus
+    # + offset per GROUP_SIZE columns of a row: the sums of q * a of a block's groups are scaled,
+    # plus
     # offset * each group's sum of a.
     #
     # Program (tile, j, t): BN rows of output j (picked), or t (ROUTED: a program summing the
@@ -175,40 +176,40 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, KW, x_row,
         pair = tl.program_id(0) * (BN // 2) + tl.arange(0, BN) // 2
         n = pair + tl.arange(0, BN) % 2 * (N // 2)
     j, t = tl.program_id(1), tl.program_id(2)
-    # KW weight words per row; GW words per int4 group, else 1; B bits a field
-    K = KW * PACK
-    GW: tl.constexpr = max(GROUP // PACK, 1)
-    B: tl.constexpr = 32 // PACK
+    # GROUP_WORDS words per int4 group, else 1; FIELD_BITS bits a field
+    K = row_words * PACK
+    GROUP_WORDS: tl.constexpr = max(GROUP_SIZE // PACK, 1)
+    FIELD_BITS: tl.constexpr = 32 // PACK
     # the input row this program reads, and its pick
-    xt = x + t * x_row
+    x_in = x + t * x_row
     expert = 0
     if EXPERTS:  # the router's logits are the previous kernel's
         _wait_for_previous(PDL)
         ids, weights = _route(router, EXPERTS, TOP_K, NORM_TOPK, EB, KB)
         pick = tl.arange(0, KB) == j + t
         expert = tl.sum(tl.where(pick, ids, 0), axis=0)
-    w_rows = weight + expert * N * KW
+    w_rows = weight + expert * N * row_words
     # The first block of weights is read before the wait (no kernel writes weights): its loads are
     # in flight while the previous kernel ends. Each later block's are, during the block before.
     # A MoE product has waited already, for the router's logits.
-    w_words = _weight_block(w_rows, n, 0, N, KW, BK)
+    w_words = _weight_block(w_rows, n, 0, N, row_words, BK)
     _wait_for_previous(PDL and not EXPERTS)
-    acc = tl.zeros([BN, BK // GW], tl.float32)
+    acc = tl.zeros([BN, BK // GROUP_WORDS], tl.float32)
     # int8: the sum of a, for its bias of 128
     a_total = tl.zeros([BK], tl.float32)
     squares = tl.zeros([BK], tl.float32)
-    for k0 in range(0, KW, BK):
+    for k0 in range(0, row_words, BK):
         words = k0 + tl.arange(0, BK)
         # int4: the block's products apart, to be scaled by group
         part = acc
-        if GROUP:
+        if GROUP_SIZE:
             part = tl.zeros([BN, BK], tl.float32)
         a_sum = tl.zeros([BK], tl.float32)
         if PACK > 1:
             high = w_words >> 16
         for i in tl.static_range(PACK):
             k = words * PACK + i
-            a = tl.load(xt + k, mask=k < K, other=0.0).to(tl.float32)
+            a = tl.load(x_in + k, mask=k < K, other=0.0).to(tl.float32)
             # 1/rms is applied at the end: it scales every output alike
             if NORM:
                 squares += a * a
@@ -216,9 +217,9 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, KW, x_row,
             if PACK > 1:
                 # The subnormal u * 2^(shift - 149); a takes 2^(85 - shift), so the product is
                 # u * a * 2^-64, scaled back at the end
-                shift = B * (i % (PACK // 2))
-                bits = (high if i >= PACK // 2 else w_words) & ((2 ** B - 1) << shift)
-                if not GROUP:
+                shift = FIELD_BITS * (i % (PACK // 2))
+                bits = (high if i >= PACK // 2 else w_words) & ((2 ** FIELD_BITS - 1) << shift)
+                if not GROUP_SIZE:
                     bits = bits ^ (128 << shift)
                 wi = bits.to(tl.float32, bitcast=True)
                 a_sum += a
@@ -226,19 +227,20 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, KW, x_row,
             else:
                 wi = w_words.to(tl.float32)
             part += wi * a[None, :]
-        if GROUP:
-            # (BN, BK / GW) the block's sums by group, and their groups' scales and offsets
-            sums = tl.sum(tl.reshape(part, [BN, BK // GW, GW]), axis=2)
-            a_sums = tl.sum(tl.reshape(a_sum, [BK // GW, GW]), axis=1)
-            g = k0 // GW + tl.arange(0, BK // GW)
-            at = (expert * N + n[:, None]) * (K // GROUP) + g[None, :]
-            g_mask = (n[:, None] < N) & (g[None, :] < K // GROUP)
+        if GROUP_SIZE:
+            # (BN, BK / GROUP_WORDS) the block's sums by group, and their groups' scales and
+            # offsets
+            sums = tl.sum(tl.reshape(part, [BN, BK // GROUP_WORDS, GROUP_WORDS]), axis=2)
+            a_sums = tl.sum(tl.reshape(a_sum, [BK // GROUP_WORDS, GROUP_WORDS]), axis=1)
+            g = k0 // GROUP_WORDS + tl.arange(0, BK // GROUP_WORDS)
+            at = (expert * N + n[:, None]) * (K // GROUP_SIZE) + g[None, :]
+            g_mask = (n[:, None] < N) & (g[None, :] < K // GROUP_SIZE)
             group_scale = tl.load(scale + at, mask=g_mask, other=0.0).to(tl.float32)
             group_offset = tl.load(offset + at, mask=g_mask, other=0.0).to(tl.float32)
             part = acc + sums * (group_scale * 2.0 ** 64) + group_offset * a_sums[None, :]
         acc = part
         a_total += a_sum
-        w_words = _weight_block(w_rows, n, k0 + BK, N, KW, BK)
+        w_words = _weight_block(w_rows, n, k0 + BK, N, row_words, BK)
     # the next kernel may launch: this one has its stores left
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -337,15 +339,15 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | 
     x (top_k, 1, K), the picks' sum weighted by their routing weights, (1, 1, N)."""
     kind, pack = STORAGE.get(weight.dtype, ("float", 1))
     words = weight if kind == "float" else weight.view(torch.int32)
-    N, KW = words.shape[-2:]
-    group = 0 if offset is None else KW * pack // offset.shape[-1]
+    N, row_words = words.shape[-2:]
+    group_size = 0 if offset is None else row_words * pack // offset.shape[-1]
     experts = 0 if router is None else router.shape[-1]
     out = gemv_output(x, weight, gated=gated, router=router, top_k=top_k, routed=routed)
     product_kind = input_kind(norm, router, routed), kind
     config = GEMV_CONFIGS[product_kind]
     # Rows of float weights longer than 8,192 (a large model's down: 8B's 12,288), 8 a program,
     # where 0.6B's shorter ones gain from 2 (bench/RESULTS.md)
-    if product_kind == ("plain", "float") and KW > 8192:
+    if product_kind == ("plain", "float") and row_words > 8192:
         config = dict(config, BN=8)
     # A product of few rows, as a MoE router's (a row an expert): 2 rows a program and one block,
     # where 8 rows would leave most multiprocessors idle and read 4 blocks in turn
@@ -353,7 +355,7 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | 
     if N < 256 and router is None:
         config = dict(BN=2, BK=2048, num_warps=2)
     # int4: whole groups a block
-    config = dict(config, BK=max(config["BK"], group // pack))
+    config = dict(config, BK=max(config["BK"], group_size // pack))
     # _route's picks: vectors of 2 or more (tl.topk)
     routing = dict(EXPERTS=experts, TOP_K=top_k, NORM_TOPK=norm_topk_prob, ROUTED=routed,
                    EB=triton.next_power_of_2(max(experts, 2)),
@@ -365,9 +367,10 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | 
     grid = (triton.cdiv(N, config["BN"]), out.shape[0], top_k if routed else 1)
     # A None argument is a constexpr None to Triton: the branches that would read it are not
     # compiled
-    _gemv[grid](x, words, scale, offset, norm, added, picks, router, N, KW, x.shape[-1], eps,
-                NORM=norm is not None, GATED=gated, SCALE=scale is not None and not group,
-                RES=added is not None, PACK=pack, GROUP=group, **routing, **config,
+    _gemv[grid](x, words, scale, offset, norm, added, picks, router, N, row_words, x.shape[-1],
+                eps,
+                NORM=norm is not None, GATED=gated, SCALE=scale is not None and not group_size,
+                RES=added is not None, PACK=pack, GROUP_SIZE=group_size, **routing, **config,
                 **dependent_launch(x))
     if routed:
         _add_rows[(triton.cdiv(N, 1024),)](picks, residual, out, N, ROWS=top_k, BLOCK=1024,
@@ -407,11 +410,12 @@ def _norm_rope(x, rows, row_mask, weights, cos, sin, eps, HEAD_DIM: tl.constexpr
 
 @triton.jit
 def _attention(qkv, cache_k, cache_v, pos, cos, sin, q_norm, k_norm, partial, lse, qkv_row,
-               cs_row, k_row, k_head, k_pos, eps: tl.constexpr, sm_scale: tl.constexpr,
-               GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+               rope_row, k_row, k_head, k_pos, eps: tl.constexpr, sm_scale: tl.constexpr,
+               Q_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                BLOCK: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
     # Program (row r, kv head h, split s), from the row's fused q|k|v product: normalises and
-    # rotates the GROUP query heads of h and its new key together, attends over the split's share
+    # rotates the Q_PER_KV query heads of h and its new key together, attends over the split's
+    # share
     # of the keys at positions <= p, the query's (the cost follows the live length, not the
     # cache's), and writes the normalised partial output and its log-sum-exp for _merge. The split
     # whose share holds p first writes the new key and value there; no other program reads
@@ -424,28 +428,30 @@ def _attention(qkv, cache_k, cache_v, pos, cos, sin, q_norm, k_norm, partial, ls
     d_mask = d < HEAD_DIM
     p = tl.load(pos + r)
     KV_HEADS = tl.num_programs(1)
-    H = GROUP * KV_HEADS
-    cs = tl.load(cos + p * cs_row + d, mask=d_mask, other=0.0).to(tl.float32)
-    sn = tl.load(sin + p * cs_row + d, mask=d_mask, other=0.0).to(tl.float32)
+    H = Q_PER_KV * KV_HEADS
+    cos_p = tl.load(cos + p * rope_row + d, mask=d_mask, other=0.0).to(tl.float32)
+    sin_p = tl.load(sin + p * rope_row + d, mask=d_mask, other=0.0).to(tl.float32)
     row = qkv + r * qkv_row
-    # Rows 0 ... GROUP - 1: kv head h's query heads; row GROUP: its new key, in the same pass
+    # Rows 0 ... Q_PER_KV - 1: kv head h's query heads; row Q_PER_KV: its new key, in the same
+    # pass
     # (a pass of its own would be a second chain of loads, reductions and barriers before the
-    # keys are read). The rows past it are 0; no row past GROUP - 1 has its output stored.
-    key_row = g == GROUP
-    rows = tl.where(key_row, H + h, h * GROUP + g) * HEAD_DIM
-    qk = _norm_rope(row, rows, g <= GROUP, tl.where(key_row, k_norm, q_norm), cs, sn, eps,
-                    HEAD_DIM, D)
+    # keys are read). The rows past it are 0; no row past Q_PER_KV - 1 has its output stored.
+    key_row = g == Q_PER_KV
+    rows = tl.where(key_row, H + h, h * Q_PER_KV + g) * HEAD_DIM
+    norms = tl.where(key_row, k_norm, q_norm)
+    qk = _norm_rope(row, rows, g <= Q_PER_KV, norms, cos_p, sin_p, eps, HEAD_DIM, D)
     # rounded as the model's activations are
-    qt = qk.to(cache_k.dtype.element_ty)
+    q_and_key = qk.to(cache_k.dtype.element_ty)
     cache = r * k_row + h * k_head
     chunk = tl.cdiv(tl.cdiv(p + 1, SPLITS), BLOCK) * BLOCK
     lo = s * chunk
     hi = tl.minimum(lo + chunk, p + 1)
     if (lo <= p) & (p < hi):
-        # The new key, row GROUP of qt: every row's pointers aim at position p and the mask keeps
-        # row GROUP's, so each thread stores its own share of it (no reduction across threads)
+        # The new key, row Q_PER_KV of q_and_key: every row's pointers aim at position p and the
+        # mask keeps row Q_PER_KV's, so each thread stores its own share of it (no reduction across
+        # threads)
         new_k_at = cache + p * k_pos + g[:, None] * 0 + d[None, :]
-        tl.store(cache_k + new_k_at, qt, mask=key_row[:, None] & d_mask[None, :])
+        tl.store(cache_k + new_k_at, q_and_key, mask=key_row[:, None] & d_mask[None, :])
         new_v = tl.load(row + (H + KV_HEADS + h) * HEAD_DIM + d, mask=d_mask)
         tl.store(cache_v + cache + p * k_pos + d, new_v.to(cache_v.dtype.element_ty), mask=d_mask)
         # The stores are seen by all of this program's threads before the loads
@@ -460,7 +466,7 @@ def _attention(qkv, cache_k, cache_v, pos, cos, sin, q_norm, k_norm, partial, ls
         offsets = cache + j[:, None] * k_pos + d[None, :]
         kt = tl.load(cache_k + offsets, mask=kv_mask, other=0.0)
         vt = tl.load(cache_v + offsets, mask=kv_mask, other=0.0)
-        scores = tl.dot(qt, tl.trans(kt), input_precision="ieee") * sm_scale
+        scores = tl.dot(q_and_key, tl.trans(kt), input_precision="ieee") * sm_scale
         scores = tl.where(j[None, :] < hi, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         e = tl.exp(scores - m_new[:, None])
@@ -472,12 +478,12 @@ def _attention(qkv, cache_k, cache_v, pos, cos, sin, q_norm, k_norm, partial, ls
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     # index into (rows, heads, SPLITS)
-    out = (r * H + h * GROUP + g) * SPLITS + s
+    out = (r * H + h * Q_PER_KV + g) * SPLITS + s
     normalised = acc / tl.where(total > 0, total, 1.0)[:, None]
-    out_mask = (g[:, None] < GROUP) & d_mask[None, :]
+    out_mask = (g[:, None] < Q_PER_KV) & d_mask[None, :]
     tl.store(partial + out[:, None] * HEAD_DIM + d[None, :], normalised, mask=out_mask)
     # -inf for an empty split
-    tl.store(lse + out, m + tl.log(total), mask=g < GROUP)
+    tl.store(lse + out, m + tl.log(total), mask=g < Q_PER_KV)
 
 
 @triton.jit
@@ -519,14 +525,14 @@ def decode_attention(qkv: Tensor, cache_k: Tensor, cache_v: Tensor, positions: T
     lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=qkv.device)
     # tl.dot wants blocks of at least 16
     D = max(16, triton.next_power_of_2(head_dim))
-    group = heads // kv_heads
+    q_per_kv = heads // kv_heads
     k_row, k_head, k_pos, _ = cache_k.stride()
     # G rows: the query heads of a kv head and its key, at least 16 (tl.dot). 8 warps: faster than
     # 4 on the H200 (bench/RESULTS.md).
     _attention[(rows, kv_heads, splits)](
         qkv, cache_k, cache_v, positions, cos, sin, q_norm, k_norm, partial, lse, qkv.stride(0),
-        cos.stride(0), k_row, k_head, k_pos, eps=eps, sm_scale=head_dim ** -0.5, GROUP=group,
-        HEAD_DIM=head_dim, G=max(16, triton.next_power_of_2(group + 1)), D=D, BLOCK=block,
+        cos.stride(0), k_row, k_head, k_pos, eps=eps, sm_scale=head_dim ** -0.5, Q_PER_KV=q_per_kv,
+        HEAD_DIM=head_dim, G=max(16, triton.next_power_of_2(q_per_kv + 1)), D=D, BLOCK=block,
         SPLITS=splits, num_warps=8, **dependent_launch(qkv))
     out = torch.empty(rows, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     _merge[(rows * heads,)](partial, lse, out, HEAD_DIM=head_dim, D=D, SPLITS=splits,
@@ -565,8 +571,8 @@ def _draw(top, top_ids, count, noise, out, inv_temperature, top_p, K: tl.constex
           KB: tl.constexpr, NB: tl.constexpr, TOP_P: tl.constexpr):
     # Program r: the K largest of the row's `count` candidates, largest first (ties in id order),
     # times 1 / temperature; with TOP_P, those past the smallest head whose mass reaches top_p
-    # masked out; then argmax(score - log(-log(u))) with u the row's noise (K,): generate.sample's
-    # steps, in its order.
+    # masked out; then argmax(score - log(-log(uniform))), uniform the row's noise (K,):
+    # generate.sample's steps, in its order.
     r = tl.program_id(0)
     at = tl.arange(0, NB)
     mask = at < count
@@ -581,9 +587,9 @@ def _draw(top, top_ids, count, noise, out, inv_temperature, top_p, K: tl.constex
         # the mass of the candidates ahead of each
         before = tl.cumsum(probs, axis=0) - probs
         scores = tl.where(before >= top_p, float("-inf"), scores)
-    u = tl.load(noise + r * K + rank, mask=rank < K, other=0.5)
+    uniform = tl.load(noise + r * K + rank, mask=rank < K, other=0.5)
     # -inf past K, as the scores
-    gumbel = scores - tl.log(-tl.log(u))
+    gumbel = scores - tl.log(-tl.log(uniform))
     choice = tl.argmax(gumbel, axis=0)
     token = tl.sum(tl.where(rank == choice, best_ids, 0), axis=0)
     tl.store(out + r, token.to(tl.int64))
