@@ -357,9 +357,9 @@ class Generator:
                 rows = [tail[first:][:produced] for tail, first in zip(tails, firsts, strict=True)]
                 # Where each row's first stop token is, or None
                 ends = [next((i for i, t in enumerate(row) if t in stop_ids), None) for row in rows]
-                done = [row[:end] for row, end in zip(rows, ends, strict=True)]
+                new_tokens = [row[:end] for row, end in zip(rows, ends, strict=True)]
                 if on_tokens:
-                    on_tokens(done)
+                    on_tokens(new_tokens)
                 now = time.perf_counter()
                 vars(stats)[kind] += now - began
                 if kind == "decode_s":
@@ -380,7 +380,7 @@ class Generator:
                     produced += 1
             except KeyboardInterrupt:  # the rows are read once more, then returned
                 stats.interrupted = True
-        return done, stats
+        return new_tokens, stats
 
     def check_prompts(self, prompts) -> None:
         """Refuses prompts that aren't a list of 1 to `batch` lists of token ids of the model's
