@@ -424,9 +424,9 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         try:
             return self.tokenizer.encode(text, add_special_tokens=False).ids
-        # tokenizers' error for a str that can't be UTF-8 (non-UTF-8 argv)
+        # tokenizers' error for a str that can't be UTF-8 (non-UTF-8 argv), or no str at all
         except TypeError:
-            raise UserError(f"{text!r} is not valid UTF-8 text") from None
+            raise UserError(f"{text!r} is not valid UTF-8 text (a str)") from None
 
     def decode(self, ids: list[int]) -> str:
         require(token_ids(ids, 1 << 32), f"{ids!r}: decode takes a list of token ids")

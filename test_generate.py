@@ -1555,6 +1555,10 @@ def test_sampling_settings_from_generation_config_are_checked_as_flags_are():
 def test_the_python_api_refuses_bad_arguments_naming_them(tiny):
     """Each a UserError that names the argument: never a hang, a silent setting or a traceback
     from deep inside."""
+    tokenizer = G.Tokenizer(tiny)
+    for not_text in (b"Hello", 5):
+        with pytest.raises(UserError, match=re.escape(f"{not_text!r} is not valid UTF-8 text (a")):
+            tokenizer.encode(not_text)
     for settings, message in [(dict(temperature=float("nan")), "temperature nan"),
                               (dict(temperature=-1), "temperature -1: must be 0 (greedy)"),
                               (dict(top_k=-1), "top_k -1: must be an int >= 0"),
