@@ -259,6 +259,10 @@ class Generator:
             # that one seed gives one stream of noise in every mode. A setting of the whole
             # process: torch offers no other.
             torch._inductor.config.fallback_random = True
+            # Compiling in this process: a pool of compile workers (a process per core) would
+            # start even when inductor's cache has every kernel, and hold the exit for seconds
+            # (bench/RESULTS.md). The decode step has few kernels to compile. Process-wide too.
+            torch._inductor.config.compile_threads = 1
             self.decode_step = torch.compile(self.decode_one_token, mode="reduce-overhead",
                                              fullgraph=True)
 

@@ -375,9 +375,9 @@ class Transformer(nn.Module):
         (R, 1, vocab), since a prefill needs no others."""
         if self.rope_cos is None:
             raise RuntimeError("call setup_cache(slots, capacity) before running the model")
-        if kv_len is None:
-            kv_len = len(self.key_positions)
+        # kv_len None: the whole cache
         attended = self.key_positions[:kv_len]
+        kv_len = len(attended)
         torch._assert_async((positions < kv_len).all(), "positions past kv_len")
         # (R, 1, T, kv_len), causal: it hides the unwritten and stale positions too
         mask = (attended <= positions[..., None])[:, None]
