@@ -379,12 +379,12 @@ class Transformer(nn.Module):
         attended = self.key_positions[:kv_len]
         kv_len = len(attended)
         torch._assert_async((positions < kv_len).all(), "positions past kv_len")
-        # (R, 1, T, kv_len), causal: it hides the unwritten and stale positions too
-        mask = (attended <= positions[..., None])[:, None]
-        if kv_len == tokens.shape[1]:
-            # a prompt from position 0: the causal rule is flash attention's own
+        # kv_len T: a prompt from position 0, where the causal rule is flash attention's own
+        prompt = kv_len == tokens.shape[1]
+        if prompt:
             torch._assert_async((positions == attended).all(), "kv_len T needs positions 0 ... T-1")
-            mask = None
+        # (R, 1, T, kv_len), causal: it hides the unwritten and stale positions too
+        mask = None if prompt else (attended <= positions[..., None])[:, None]
         cos = self.rope_cos[positions][:, :, None]
         sin = self.rope_sin[positions][:, :, None]
         ctx = ForwardContext(positions=positions, cos=cos, sin=sin, mask=mask, kv_len=kv_len)
