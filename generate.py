@@ -430,7 +430,7 @@ class Tokenizer:
             return self.tokenizer.encode(text, add_special_tokens=False).ids
         # tokenizers' error for a str that can't be UTF-8 (non-UTF-8 argv), or no str at all
         except TypeError:
-            raise UserError(f"{text!r} is not valid UTF-8 text (a str)") from None
+            raise UserError(f"{text!r} is not a str of valid UTF-8 text") from None
 
     def decode(self, ids: list[int]) -> str:
         require(token_ids(ids, 1 << 32), f"{ids!r}: decode takes a list of token ids")

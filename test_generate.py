@@ -1557,7 +1557,7 @@ def test_the_python_api_refuses_bad_arguments_naming_them(tiny):
     from deep inside."""
     tokenizer = G.Tokenizer(tiny)
     for not_text in (b"Hello", 5):
-        with pytest.raises(UserError, match=re.escape(f"{not_text!r} is not valid UTF-8 text (a")):
+        with pytest.raises(UserError, match=re.escape(f"{not_text!r} is not a str of valid UTF-8")):
             tokenizer.encode(not_text)
     for settings, message in [(dict(temperature=float("nan")), "temperature nan"),
                               (dict(temperature=-1), "temperature -1: must be 0 (greedy)"),
@@ -2288,7 +2288,7 @@ def test_the_cache_holds_a_buckets_length(tiny, monkeypatch, capsys):
     (["--temperature", "-1"], "temperature -1.0: must be 0 (greedy) or at least 0.001"),
     (["--temperature", "nan"], "temperature nan: must be 0 (greedy) or at least 0.001"),
     # what Python makes of a non-UTF-8 argument
-    (["--prompt", "caf\udce9"], "is not valid UTF-8 text"),
+    (["--prompt", "caf\udce9"], "is not a str of valid UTF-8 text"),
     (["--top-p", "0"], "top_p 0.0: must be in (0, 1]"),
     (["--top-p", "1.5"], "top_p 1.5: must be in (0, 1]"),
     (["--temperature", "1e-45"], "temperature 1e-45: must be 0 (greedy) or at least 0.001"),
@@ -2399,7 +2399,7 @@ def test_cli_invalid_utf8_prompt_is_one_line(tiny):
     command = [sys.executable, os.path.join(HERE, "generate.py"), "--device", "cpu",
                "--checkpoint", tiny, "--prompt", b"caf\xe9"]
     r = subprocess.run(command, capture_output=True, text=True, timeout=LIMIT)
-    one_line_error(r, "is not valid UTF-8 text")
+    one_line_error(r, "is not a str of valid UTF-8 text")
 
 
 def test_eos_comes_from_config_json_too(tiny, tmp_path):
