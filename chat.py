@@ -9,12 +9,9 @@ or the end of the input ends the conversation. Ctrl-C during a reply stops it, a
 stays in the conversation; at the prompt, it ends. generate.py's flags, but --prompt and --chat.
 Optional: generate.py works without this file.
 """
-import dataclasses
 import os
 import sys
 from dataclasses import dataclass
-
-import torch
 
 import generate
 from convert_hf_checkpoint import UserError, optional, require
@@ -44,10 +41,12 @@ class Conversation:
         self.tokenizer = checkpoint.tokenizer
         self.gen = gen
         self.thinking = thinking
-        self.options = options  # generate()'s max_new, stop_ids and check_every
+        # generate()'s max_new, stop_ids and check_every
+        self.options = options
         self.system = [{"role": "system", "content": system}] if system else []
         self.messages = list(self.system)
-        self.cached = []  # the tokens whose keys and values cache row 0 holds, from position 0
+        # The tokens whose keys and values cache row 0 holds, from position 0
+        self.cached = []
 
     def render(self, messages: list[dict]) -> list[int]:
         return self.tokenizer.encode(self.tokenizer.chat(messages, self.thinking))
@@ -57,7 +56,8 @@ class Conversation:
         starts over from the system message; a turn that alone is over it is refused."""
         turn = [{"role": "user", "content": text}]
         ids = self.render(self.messages + turn)
-        room = self.gen.capacity - self.options["max_new"]  # for the rendered conversation
+        # For the rendered conversation
+        room = self.gen.capacity - self.options["max_new"]
         started_over = len(ids) > room
         if started_over:
             ids = self.render(self.system + turn)
@@ -103,19 +103,13 @@ def converse(argv) -> None:
     # generate.py's model alone
     require("LOCAL_RANK" not in os.environ, "chat.py is one process: run it without torchrun")
     require(sys.stdin, "stdin is closed: give the turns a terminal or a pipe")
-    if args.seed is not None:
-        torch.manual_seed(args.seed)
-    checkpoint = generate.load(args.checkpoint, args.device, args.dtype)
-    sampling = dataclasses.replace(checkpoint.sampling, **args.sampling)
+    checkpoint, sampling, stop_ids = generate.load_for(args)
     capacity = args.cache_len or min(CACHE_LEN, checkpoint.model.args.max_position_embeddings)
     # Refused now, not at every turn
-    vocab = checkpoint.model.args.vocab_size
-    require(generate.token_ids(args.stop_ids, vocab), f"--stop-ids: ids in [0, {vocab}), please")
     require(args.max_new_tokens < capacity, f"--max-new-tokens {args.max_new_tokens} leaves no "
             f"room in the cache ({capacity} positions): ask for fewer, or a longer --cache-len")
     gen = generate.Generator(checkpoint.model, batch=1, capacity=capacity, sampling=sampling,
                              compile=args.compile, cuda_graph=args.cuda_graph)
-    stop_ids = checkpoint.stop_ids | set(args.stop_ids)
     chat = Conversation(checkpoint, gen, args.system, not args.no_think, stop_ids=stop_ids,
                         max_new=args.max_new_tokens, check_every=args.check_every)
     interactive = sys.stdin.isatty()

@@ -127,7 +127,8 @@ def read_tensor(file: str, name: str) -> torch.Tensor:
 SUPPORTED = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 # The JSON types a config.json value may have, by the type of its ModelArgs field. A bool is no int
 # here.
-CONFIG_TYPES = {int: (int,), float: (int, float), bool: (bool,), list[int]: (list,), dict: (dict,)}
+CONFIG_TYPES = {int: (int,), float: (int, float), bool: (bool,),
+                list[int]: (list,), dict: (dict,)}
 # What config.json must give: no default is safe for these
 REQUIRED = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "vocab_size", "rms_norm_eps", "max_position_embeddings"]
@@ -157,10 +158,13 @@ def model_args(config: dict) -> ModelArgs:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "yarn"):
         raise UserError(f"rope type {rope_type}: only default RoPE and YaRN are supported")
-    yarn = {key: value for key, value in rope.items() if key not in ("rope_type", "type")}
-    numbers = all(type(v) in (int, float, bool) and math.isfinite(v) for v in yarn.values())
-    require(rope_type != "yarn" or numbers, f"config.json: YaRN parameters {yarn} are not all "
-            "finite numbers")
+    # YaRN's parameters: a Hugging Face config's rope_parameters, or our config.json's yarn
+    named = ("rope_type", "type", "rope_theta")
+    yarn = {key: value for key, value in rope.items() if key not in named}
+    yarn = yarn if rope_type == "yarn" else config.get("yarn") or {}
+    numbers = isinstance(yarn, dict) and all(
+        type(v) in (int, float, bool) and math.isfinite(v) for v in yarn.values())
+    require(numbers, f"config.json: YaRN parameters {yarn} are not all finite numbers")
     given = {**config, "rope_theta": rope.get("rope_theta", config.get("rope_theta"))}
     given["num_experts"] = config.get("num_local_experts", config.get("num_experts"))
     for spec in dataclasses.fields(ModelArgs):
@@ -188,6 +192,11 @@ def model_args(config: dict) -> ModelArgs:
     for name in YARN_POSITIVE:
         value = args.yarn.get(name, 1)
         require(value > 0, f"config.json: YaRN's {name} is {value!r}; it must be above 0")
+    # Past any Qwen3's by far: building the model would take minutes, or overflow a tensor's size
+    widest = max(args.intermediate_size, args.num_experts * args.moe_intermediate_size,
+                 args.vocab_size, args.num_attention_heads * args.head_dim)
+    sane = args.hidden_size * widest < 2**40 and args.num_hidden_layers < 2**12
+    require(sane, "config.json: sizes far past any Qwen3's; download it again")
     return args
 
 
@@ -203,6 +212,7 @@ def eos_ids(config: dict, file: str, vocab: int) -> set[int]:
 
 def converted_config(path) -> dict:
     """The config.json of a directory that this converter wrote, refused if it isn't one."""
+    require(str(path).strip(), "an empty path: name a converted checkpoint")
     config = pathlib.Path(path, "config.json")
     require(config.is_file(), f"{path}: no converted checkpoint; the converter makes one")
     config = read_json(config)
@@ -234,7 +244,8 @@ def read_tokenizer(path):
 
 
 # Our fused tensors, and the Hugging Face tensors they concatenate
-FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
+         "gate_up_proj": ["gate_proj", "up_proj"]}
 COPIED = ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
           "generation_config.json"]
 
@@ -261,8 +272,8 @@ def snapshot_args(src: pathlib.Path) -> tuple[ModelArgs, dict]:
     # Refused now if missing or broken, not when generating
     read_tokenizer(src)
     config = read_json(src / "config.json")
-    if "quantization_config" in config:
-        raise UserError(f"{src}: quantized snapshots are not supported: use the bf16 one")
+    quantized = "quantization_config" in config
+    require(not quantized, f"{src}: a quantized snapshot: convert the bf16 one")
     require("quantization" not in config, f"{src}: already converted; convert its snapshot")
     args = model_args(config)
     # Likewise generation_config.json, if it isn't JSON or its eos ids aren't the model's
@@ -300,6 +311,7 @@ def convert(src: str, out: str, quantization: str | None = None, shard_bytes: in
     """Converts the snapshot `src` into the new directory `out`, in shards of about shard_bytes;
     with `quantization` ("int8", or "int4" in groups of `group_size`, 128 by default), quantized by
     quantize.py as read."""
+    require(str(src).strip(), "--checkpoint-dir is empty: name a snapshot")
     src = pathlib.Path(src)
     args, config = snapshot_args(src)
     require(quantization or group_size is None, "--group-size goes with --quantize int4")
@@ -345,6 +357,8 @@ def write_checkpoint(out: str, tensors, count: int, config: dict, src: pathlib.P
     # Read by setting it: the shards get 0666 less it, as the snapshot's files
     umask = os.umask(0)
     os.umask(umask)
+    blocked = next((p for p in out.parents if p.is_file()), None)
+    require(not blocked, f"{blocked} is a file: choose another --output")
     # The directories we create, deepest first
     made = [p for p in out.parents if not p.exists()]
     try:
@@ -379,37 +393,42 @@ def write_checkpoint(out: str, tensors, count: int, config: dict, src: pathlib.P
         raise
 
 
-def exit_interrupted(note: str) -> None:
-    """Exits with 130 after Ctrl-C, SIGTERM or SIGHUP; on a terminal, after ending the line that
-    the interrupt cut short (a progress line, ^C), and the `note`."""
-    newline = "\n" if sys.stderr.isatty() else ""
-    print(f"{newline}{note}", file=sys.stderr)
-    sys.exit(130)
-
-
-def stop_on_signals() -> None:
-    """SIGTERM and SIGHUP (`timeout`, a closed terminal, a job scheduler) stop the process as
-    Ctrl-C does, through the same clean-up."""
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    signal.signal(signal.SIGHUP, signal.default_int_handler)
-
-
 # A user's errors: a bad input, a file, a full disk. Anything else is a bug: a traceback.
 USER_ERRORS = (UserError, OSError, SafetensorError)
 
 
-def exit_on(error: Exception):
-    """Exits with one line for one of the USER_ERRORS; quietly on a stdout closed early (`| head`),
-    as Unix tools do."""
-    # Nothing more to stdout: a full or closed one fails again at exit's flush
-    # Open until the exit
-    sys.stdout = open(os.devnull, "w")
-    if isinstance(error, BrokenPipeError):
-        sys.exit(141)
-    sys.exit(f"error: {error}")
+def run_command(command, argv, interrupted: str) -> None:
+    """command(argv), as every command of ours runs: SIGTERM and SIGHUP (`timeout`, a closed
+    terminal, a job scheduler) stop it as Ctrl-C does, through the same clean-up, and exit 130
+    saying `interrupted` (on a terminal, after ending the line that the interrupt cut short). One
+    of the USER_ERRORS exits 1 in one line; a stdout closed early (`| head`) quietly, as Unix tools
+    do."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGHUP, signal.default_int_handler)
+    try:
+        command(argv)
+    except KeyboardInterrupt:
+        newline = "\n" if sys.stderr.isatty() else ""
+        print(f"{newline}{interrupted}", file=sys.stderr)
+        sys.exit(130)
+    except USER_ERRORS as error:
+        # Nothing more to stdout: a full or closed one fails again at exit's flush. Open until the
+        # exit.
+        sys.stdout = open(os.devnull, "w")
+        if isinstance(error, BrokenPipeError):
+            sys.exit(141)
+        # Under torchrun every rank reads the same flags and files: rank 0 alone says what is
+        # wrong with them. Anything else (a traceback) is printed by the rank where it happens.
+        if os.environ.get("RANK", "0") != "0":
+            sys.exit(1)
+        sys.exit(f"error: {error}")
 
 
 def main(argv=None):
+    run_command(convert_command, argv, "interrupted: nothing was written")
+
+
+def convert_command(argv) -> None:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint-dir", required=True,
                         help="a Hugging Face Qwen3 snapshot (config.json + *.safetensors)")
@@ -418,18 +437,13 @@ def main(argv=None):
     parser.add_argument("--group-size", type=int, help="int4: columns a scale (default 128)")
     parser.add_argument("--shard-size-mb", type=positive, default=2048,
                         help="size of each output file")
-    stop_on_signals()
-    try:
-        args = parser.parse_args(argv)
-        name = f"converted-{args.quantize}" if args.quantize else "converted"
-        out = os.path.join(args.checkpoint_dir, name) if args.output is None else args.output
-        convert(args.checkpoint_dir, out, args.quantize, args.shard_size_mb << 20, args.group_size)
-        # On stderr, as every message: stdout may be full, though the checkpoint is written
-        print(f"wrote {out}", file=sys.stderr)
-    except KeyboardInterrupt:
-        exit_interrupted("interrupted: nothing was written")
-    except USER_ERRORS as e:
-        exit_on(e)
+    args = parser.parse_args(argv)
+    name = f"converted-{args.quantize}" if args.quantize else "converted"
+    out = os.path.join(args.checkpoint_dir, name) if args.output is None else args.output
+    shard_bytes = args.shard_size_mb << 20
+    convert(args.checkpoint_dir, out, args.quantize, shard_bytes, args.group_size)
+    # On stderr, as every message: stdout may be full, though the checkpoint is written
+    print(f"wrote {out}", file=sys.stderr)
 
 
 if __name__ == "__main__":

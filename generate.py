@@ -19,10 +19,10 @@ try:
     import torch
     from safetensors import safe_open
 
-    from convert_hf_checkpoint import (USER_ERRORS, ArgumentParser, UserError, checkpoint_tensors,
-                                       converted_config, eos_ids, exit_interrupted, exit_on,
-                                       list_tensors, model_args, optional, positive, read_json,
-                                       read_tokenizer, require, show_progress, stop_on_signals)
+    from convert_hf_checkpoint import (ArgumentParser, UserError, checkpoint_tensors,
+                                       converted_config, eos_ids, list_tensors, model_args,
+                                       optional, positive, read_json, read_tokenizer, require,
+                                       run_command, show_progress)
     from model import Experts, Transformer
     # Optional files: quantized checkpoints, the Triton fast path (without it, or Triton,
     # PyTorch's ops run everywhere), tensor parallelism under torchrun
@@ -76,13 +76,16 @@ def sample(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     scores = logits.float()
     vocab = scores.shape[-1]
     filtered = 0 < params.top_k < vocab or params.top_p < 1
-    if filtered:  # the candidates, largest first: no sort unless a filter needs one
+    if filtered:
+        # The candidates, largest first: no sort unless a filter needs one
         scores, candidates = top_candidates(scores, min(params.top_k or vocab, vocab))
-    scores = scores * (1.0 / params.temperature)  # as the fast path's kernel scales them
+    # As the fast path's kernel scales them
+    scores = scores * (1.0 / params.temperature)
     # The smallest head whose mass reaches top_p (the first always stays)
     if params.top_p < 1:
         probs = scores.softmax(-1)
-        ahead = probs.cumsum(-1) - probs  # the mass of the candidates before each
+        # The mass of the candidates before each
+        ahead = probs.cumsum(-1) - probs
         scores = scores.masked_fill(ahead >= params.top_p, float("-inf"))
     noise = torch.rand_like(scores)
     choice = (scores - torch.log(-torch.log(noise))).argmax(-1)
@@ -128,7 +131,8 @@ def bucket(length: int, capacity: int) -> int:
     graphed prefill pads its prompts to it. Below 2,048 tokens doubling keeps the graphs few;
     above, a step of 256 keeps the padding's work small (see bench/RESULTS.md), at a graph per 256
     positions, each captured when first used."""
-    power_of_two = max(64, 1 << (length - 1).bit_length())  # the next, at least 64
+    # The next, at least 64
+    power_of_two = max(64, 1 << (length - 1).bit_length())
     step = 256 if length > 2048 else power_of_two
     return min(capacity, math.ceil(length / step) * step)
 
@@ -148,7 +152,8 @@ class CUDAGraphs:
         self.pool = torch.cuda.graph_pool_handle()
 
     def __call__(self, *args: torch.Tensor | None) -> None:
-        shape = tuple(getattr(arg, "shape", arg) for arg in args)  # None stands for itself
+        # None stands for itself
+        shape = tuple(getattr(arg, "shape", arg) for arg in args)
         if shape in self.graphs:
             self.graphs[shape].replay()
             return
@@ -189,7 +194,7 @@ class Generator:
         device = model.norm.weight.device
         require(not (compile and cuda_graph), "compile and cuda_graph: choose one way or the other")
         on_cuda = device.type == "cuda"
-        require(on_cuda or not cuda_graph, "cuda_graph needs the model on a CUDA device")
+        require(on_cuda or not cuda_graph, "cuda_graph needs a CUDA device: leave out --cuda-graph")
         if use_kernels is None:  # wherever they can run
             use_kernels = qwen3_triton is not None and on_cuda
         require(qwen3_triton or not use_kernels, "use_kernels needs qwen3_triton.py and Triton")
@@ -231,7 +236,8 @@ class Generator:
         # Next ids (R,) from logits (R, V): the fast path's kernel where it takes the filter, a
         # top-k of at most MAX_TOP_K (the same tokens from the same noise, to the rounding of the
         # top-p cut and of the noise's logarithms), else sample
-        top_k = sampling.top_k if sampling.temperature > 0 else 0  # greedy: no filter
+        # Greedy: no filter
+        top_k = sampling.top_k if sampling.temperature > 0 else 0
         filtered = 0 < top_k < model.args.vocab_size
         self.draw = functools.partial(sample, params=sampling)
         if use_kernels and filtered and top_k <= qwen3_triton.MAX_TOP_K:
@@ -253,7 +259,8 @@ class Generator:
             self.prefill_step = CUDAGraphs(self.prefill_prompts)
             self.decode_step = CUDAGraphs(self.decode_one_token)
         if compile:  # torch._dynamo is imported here alone: it takes seconds
-            for tensor in vars(self.state).values():  # cudagraph trees: inputs, not copies
+            for tensor in vars(self.state).values():
+                # cudagraph trees: inputs, not copies
                 torch._dynamo.mark_static_address(tensor)
             # Inductor's own random numbers differ from eager's: this makes it call eager's, so
             # that one seed gives one stream of noise in every mode. A setting of the whole
@@ -316,11 +323,10 @@ class Generator:
         state.positions.zero_()
         state.positions[:count, 0] = torch.tensor([start + len(prompt) for prompt in prompts])
         positions = state.prompt_positions[:count, :length]
-        positions.copy_(self.model.key_positions[start:start + length])  # to every row
+        # To every row
+        positions.copy_(self.model.key_positions[start:start + length])
         # From position 0: the prompts' own length, where they attend causally among themselves
-        kv_len = length
-        if start:
-            kv_len = bucket(start + length, self.capacity)
+        kv_len = bucket(start + length, self.capacity) if start else length
         self.prefill_step(positions, kv_len)
 
     @torch.no_grad()
@@ -342,7 +348,9 @@ class Generator:
         require(token_ids(stop_ids, vocab),
                 f"stop_ids must be a set of token ids in [0, {vocab}), not {stop_ids!r}")
         check_count("start", start, least=0)
-        longest = start + max(map(len, prompts))  # where the longest prompt ends
+        require(on_tokens is None or callable(on_tokens), f"on_tokens {on_tokens!r}: a function")
+        # Where the longest prompt ends
+        longest = start + max(map(len, prompts))
         require(longest + max_new <= self.capacity, f"the prompt ({counted(longest, 'token')}) + "
                 f"max new tokens ({max_new}) is over the cache length ({self.capacity})")
         stats = GenerationStats(0.0, 0.0, 0.0, 0)
@@ -350,7 +358,8 @@ class Generator:
         kind, checked = "prefill_s", 0
         began = time.perf_counter()
         self.prefill(prompts, start)
-        produced = 1  # tokens per row so far
+        # Tokens per row so far
+        produced = 1
         # Where each row's new tokens start in the tail that the checks read
         shortest = start + min(map(len, prompts))
         firsts = [start + len(prompt) - shortest for prompt in prompts]
@@ -382,7 +391,8 @@ class Generator:
                 for _ in range(steps):
                     self.decode_step(self.attended(longest + produced))
                     produced += 1
-            except KeyboardInterrupt:  # the rows are read once more, then returned
+            except KeyboardInterrupt:
+                # The rows are read once more, then returned
                 stats.interrupted = True
         return new_tokens, stats
 
@@ -443,7 +453,9 @@ class Tokenizer:
         enable_thinking=False."""
         require(self.chat_template, "the checkpoint has no chat template: copy its snapshot's own")
         listed = isinstance(messages, list) and all(isinstance(m, dict) for m in messages)
-        require(listed, f"messages {messages!r}: a list of dicts with a role and a content")
+        texts = listed and all(isinstance(m.get("content"), str) for m in messages)
+        require(texts, f"messages {messages!r}: a list of dicts, each a role and a str content")
+        require(type(thinking) is bool, f"thinking {thinking!r}: True or False")
         import jinja2.sandbox
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
@@ -493,7 +505,8 @@ def load_model(path: str, device="cpu", dtype: torch.dtype | None = None,
         if quantization:
             quantize.swap_in(model, config)
     expected = {name: t.shape for name, t in checkpoint_tensors(model).items()}
-    tensors = list_tensors(path, "model*.safetensors")  # name -> its file
+    # name -> its file
+    tensors = list_tensors(path, "model*.safetensors")
     state = {}
     for file in sorted(set(tensors.values())):
         # A file at a time: its pages are mapped until its last tensor is read
@@ -539,12 +552,11 @@ class TextStream:
     end. A character split across tokens decodes to U+FFFD until its last byte arrives, so trailing
     U+FFFD is held back: what is printed is always a prefix of the final text."""
 
-    def __init__(self, decode, prompts: list[str], file=None):
+    def __init__(self, decode, prompts: list[str]):
         self.decode = decode
         self.prompts = prompts
-        # Looked up now: sys.stdout may have been replaced since import
-        self.file = file or sys.stdout
-        self.rows = None  # none until the first check
+        # None until the first check
+        self.rows = None
         self.printed = ""
 
     def __call__(self, rows: list[list[int]]) -> None:
@@ -553,7 +565,7 @@ class TextStream:
             self.show(self.decode(rows[0]).rstrip("\ufffd"))
 
     def show(self, text: str) -> None:
-        print(text[len(self.printed):], end="", file=self.file, flush=True)
+        print(text[len(self.printed):], end="", flush=True)
         self.printed = text
 
     def finish(self) -> None:
@@ -563,10 +575,10 @@ class TextStream:
             return
         if len(self.rows) == 1:
             self.show(self.decode(self.rows[0]))
-            print(file=self.file)
+            print()
         else:
             for prompt, row in zip(self.prompts, self.rows, strict=True):
-                print(f"--- {prompt}\n{self.decode(row)}", file=self.file)
+                print(f"--- {prompt}\n{self.decode(row)}")
 
 
 def report(stats: GenerationStats, rows: list[list[int]]) -> str:
@@ -587,8 +599,7 @@ def report(stats: GenerationStats, rows: list[list[int]]) -> str:
 
 def counted(number: int, noun: str) -> str:
     """'1 step', '2 steps'."""
-    plural = "" if number == 1 else "s"
-    return f"{number} {noun}{plural}"
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
 
 
 def parse_args(argv=None, description: str = __doc__, prompts: bool = True) -> argparse.Namespace:
@@ -602,10 +613,8 @@ def parse_args(argv=None, description: str = __doc__, prompts: bool = True) -> a
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                         help="default: bf16 on CUDA, fp32 on the CPU")
     if prompts:
-        parser.add_argument("--prompt", action="append",
-                            help="repeat it for a batch: one cache row per prompt")
-        parser.add_argument("--chat", action="store_true",
-                            help="wrap each prompt in the checkpoint's chat template")
+        parser.add_argument("--prompt", action="append", help="repeat it for a batch, a row each")
+        parser.add_argument("--chat", action="store_true", help="wrap each in the chat template")
     parser.add_argument("--system", help="the system message (generate.py: with --chat)")
     parser.add_argument("--no-think", action="store_true",
                         help="answer without a thinking block (generate.py: with --chat)")
@@ -613,18 +622,14 @@ def parse_args(argv=None, description: str = __doc__, prompts: bool = True) -> a
     parser.add_argument("--temperature", type=float, help="0 is greedy")
     parser.add_argument("--top-k", type=int, help="0 keeps every token")
     parser.add_argument("--top-p", type=float, help="1 keeps every token")
-    parser.add_argument("--seed", type=int,
-                        help="the same seed gives the same text (in fp32, in every mode)")
+    parser.add_argument("--seed", type=int, help="one seed, one text (in fp32, in every mode)")
     parser.add_argument("--max-new-tokens", type=positive, default=200)
-    parser.add_argument("--stop-ids", type=int, nargs="+", default=[],
-                        help="stop tokens besides the model's eos")
+    parser.add_argument("--stop-ids", type=int, nargs="+", default=[], help="besides eos")
     modes = parser.add_mutually_exclusive_group()
-    modes.add_argument("--compile", action="store_true",
-                       help="torch.compile the decode step")
+    modes.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     modes.add_argument("--cuda-graph", action="store_true",
                        help="replay the prefill and decode steps as our CUDA graphs")
-    parser.add_argument("--check-every", type=positive, default=16,
-                        help="decode steps between stop checks")
+    parser.add_argument("--check-every", type=positive, default=16, help="steps a stop check")
     parser.add_argument("--cache-len", type=positive,
                         help="KV cache positions (default: prompt + max new tokens; chat: 8,192)")
     args = parser.parse_args(argv)
@@ -633,16 +638,12 @@ def parse_args(argv=None, description: str = __doc__, prompts: bool = True) -> a
     names = [spec.name for spec in dataclasses.fields(SamplingParams)]
     args.sampling = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     SamplingParams(**args.sampling)
-    # The vocabulary's end is checked once it is loaded
-    require(all(token >= 0 for token in args.stop_ids), "--stop-ids: token ids are 0 or more")
     in_range = args.seed is None or 0 <= args.seed < 1 << 64
     require(in_range, f"--seed {args.seed}: must be in [0, 2^64)")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         raise UserError(f"unknown device {args.device!r}: use cpu, cuda or cuda:N")
     args.device = torch.device(args.device)
     args.dtype = getattr(torch, args.dtype) if args.dtype else None
-    if args.cuda_graph and args.device.type != "cuda":
-        raise UserError("--cuda-graph needs a CUDA device (--device cuda): leave it out on the CPU")
     require(args.chat or not (args.system or args.no_think), "--system, --no-think go with --chat")
     return args
 
@@ -653,33 +654,35 @@ def main(argv=None, command=None):
     # A stream closed from the start (`>&-`) is None: the text, or an error, would go nowhere
     if sys.stdout is None or sys.stderr is None:
         sys.exit("error: stdout or stderr is closed: give the text and the errors somewhere to go")
-    stop_on_signals()
-    try:
-        (command or run)(argv)
-    except KeyboardInterrupt:  # outside a decode loop: loading, or chat.py's prompt
-        exit_interrupted("interrupted")
-    except USER_ERRORS as e:
-        # Under torchrun every rank reads the same flags and files: rank 0 alone says what is wrong
-        # with them. Anything else (a traceback) is printed by the rank where it happens.
-        if os.environ.get("RANK", "0") != "0":
-            sys.exit(1)
-        exit_on(e)
+    # Ctrl-C outside a decode loop: loading, or chat.py's prompt
+    run_command(command or run, argv, "interrupted")
+
+
+def load_for(args: argparse.Namespace, split=None) -> tuple[Checkpoint, SamplingParams, set]:
+    """The checkpoint of the command line's flags (under torchrun, this rank's share), its sampling
+    settings as the flags change them, and its stop tokens with --stop-ids', of its vocabulary.
+    With --seed, torch's random generator seeded first."""
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    checkpoint = load(args.checkpoint, split.device if split else args.device, args.dtype, split)
+    sampling = dataclasses.replace(checkpoint.sampling, **args.sampling)
+    vocab = checkpoint.model.args.vocab_size
+    require(token_ids(args.stop_ids, vocab), f"--stop-ids: ids in [0, {vocab}), please")
+    return checkpoint, sampling, checkpoint.stop_ids | set(args.stop_ids)
 
 
 def run(argv) -> None:
     args = parse_args(argv)
-    if args.seed is not None:
-        torch.manual_seed(args.seed)
     texts = args.prompt or []
     require(texts and all(text.strip() for text in texts), "empty prompt: give --prompt TEXT")
     # torchrun: this process is one rank of the model
     split = tp.start(args.device) if tp and tp.launched() else None
     # Under torchrun, rank 0 alone says what happens
     talks = split is None or split.rank == 0
-    if talks and not sys.stderr.isatty():  # a terminal gets a progress line instead
+    if talks and not sys.stderr.isatty():
+        # A terminal gets a progress line instead
         print(f"loading {args.checkpoint} ...", file=sys.stderr, flush=True)
-    checkpoint = load(args.checkpoint, split.device if split else args.device, args.dtype, split)
-    sampling = dataclasses.replace(checkpoint.sampling, **args.sampling)
+    checkpoint, sampling, stop_ids = load_for(args, split)
     if args.chat:
         system = [{"role": "system", "content": args.system}] if args.system else []
         turns = [[*system, {"role": "user", "content": text}] for text in texts]
@@ -692,7 +695,6 @@ def run(argv) -> None:
     gen = Generator(checkpoint.model, batch=len(prompts), capacity=capacity, sampling=sampling,
                     compile=args.compile, cuda_graph=args.cuda_graph)
     stream = TextStream(checkpoint.tokenizer.decode, args.prompt)
-    stop_ids = checkpoint.stop_ids | set(args.stop_ids)
     # Ctrl-C in the decode loop ends it: what was generated so far is returned
     rows, stats = gen.generate(prompts, max_new=args.max_new_tokens, stop_ids=stop_ids,
                                check_every=args.check_every, on_tokens=stream)

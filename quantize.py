@@ -226,6 +226,10 @@ def quantizing(config: dict, tensors) -> tuple:
 
 
 def main(argv=None):
+    convert.run_command(quantize_command, argv, "interrupted: nothing was written")
+
+
+def quantize_command(argv) -> None:
     parser = convert.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True,
                         help="a directory that convert_hf_checkpoint.py wrote")
@@ -233,17 +237,12 @@ def main(argv=None):
     parser.add_argument("--group-size", type=int,
                         help=f"int4: input columns per scale and offset (default {GROUP_SIZE})")
     parser.add_argument("--output", help="default: CHECKPOINT-MODE")
-    convert.stop_on_signals()
-    try:
-        args = parser.parse_args(argv)
-        default = args.checkpoint.rstrip("/") + f"-{args.mode}"
-        out = default if args.output is None else args.output
-        quantize_checkpoint(args.checkpoint, out, args.mode, args.group_size)
-        print(f"wrote {out}", file=sys.stderr)  # as the converter: stdout may be full
-    except KeyboardInterrupt:
-        convert.exit_interrupted("interrupted: nothing was written")
-    except convert.USER_ERRORS as e:
-        convert.exit_on(e)
+    args = parser.parse_args(argv)
+    default = args.checkpoint.rstrip("/") + f"-{args.mode}"
+    out = default if args.output is None else args.output
+    quantize_checkpoint(args.checkpoint, out, args.mode, args.group_size)
+    # As the converter: stdout may be full
+    print(f"wrote {out}", file=sys.stderr)
 
 
 def quantize_checkpoint(path: str, out: str, mode: str, group_size: int | None = None) -> None:

@@ -329,7 +329,7 @@ def cli(*args, stdin=None, env=None, script="generate.py"):
     streams, imports) start one with run_process."""
     module = importlib.import_module(script.removesuffix(".py"))
     streams = sys.stdin, sys.stdout, sys.stderr
-    # main() sets SIGTERM's and SIGHUP's handlers (stop_on_signals): pytest's are put back after
+    # main() sets SIGTERM's and SIGHUP's handlers (run_command): pytest's are put back after
     handlers = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGHUP)}
     environment = dict(os.environ)
     out, err = io.StringIO(), io.StringIO()
@@ -1062,8 +1062,9 @@ def test_convert_never_replaces_anything(snapshot, tmp_path, capsys, monkeypatch
     for output in (user_dir, snapshot, a_file):
         assert "exists" in convert_error(["--checkpoint-dir", str(snapshot), "--output",
                                           str(output)], capsys)
-    assert "File exists" in convert_error(["--checkpoint-dir", str(snapshot), "--output",
-                                           str(a_file / "out")], capsys)
+    message = convert_error(["--checkpoint-dir", str(snapshot), "--output", str(a_file / "out")],
+                            capsys)
+    assert message == f"error: {a_file} is a file: choose another --output"
     monkeypatch.chdir(tmp_path)  # --output . : the current directory holds the user's files
     assert "exists" in convert_error(["--checkpoint-dir", str(snapshot), "--output", "."], capsys)
     assert (user_dir / "notes.txt").read_text() == "mine" and a_file.read_text() == "mine as well"
@@ -1157,9 +1158,12 @@ def test_convert_names_shards_as_the_hub_does(snapshot, tmp_path):
 
 def test_an_interrupt_ends_the_line_it_cut_short_on_a_terminal():
     """Ctrl-C during a progress line: on a terminal the note starts a line of its own."""
-    code = (f"import sys; sys.path.insert(0, {HERE!r}); import convert_hf_checkpoint as c; "
-            "c.show_progress('writing out', 1, 4); "
-            "c.exit_interrupted('interrupted: nothing was written')")
+    code = textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {HERE!r}); import convert_hf_checkpoint as c
+        def command(argv):
+            c.show_progress('writing out', 1, 4)
+            raise KeyboardInterrupt
+        c.run_command(command, [], 'interrupted: nothing was written')""")
     status, written = tty_stderr([sys.executable, "-c", code])
     assert status == 130
     assert written == "\rwriting out: 25%\r\ninterrupted: nothing was written\r\n", written
@@ -1170,6 +1174,7 @@ def test_convert_argument_errors_are_one_line(snapshot, capsys):
                           (["--shard-size-mb", "-5"],
                            "--shard-size-mb: must be at least 1, not -5"),
                           (["--checkpoint-dir", "x", "--bogus"], "unrecognized arguments: --bogus"),
+                          (["--checkpoint-dir", ""], "--checkpoint-dir is empty: name a snapshot"),
                           ([], "the following arguments are required: --checkpoint-dir")]:
         assert message in convert_error(argv, capsys)
     r = cli("--checkpoint-dir", str(snapshot), "--shard-size-mb", "0",
@@ -1186,7 +1191,7 @@ def test_convert_refuses_a_snapshot_without_a_tokenizer_or_quantized(snapshot, c
     cfg = json.load(open(snapshot / "config.json"))
     json.dump({**cfg, "quantization_config": {"quant_method": "fp8"}},
               open(snapshot / "config.json", "w"))
-    assert "quantized snapshots are not supported" in convert_error(argv, capsys)
+    assert "a quantized snapshot: convert the bf16 one" in convert_error(argv, capsys)
     json.dump(cfg, open(snapshot / "config.json", "w"))
     (snapshot / "tokenizer.json").unlink()
     assert "tokenizer.json: no readable tokenizer" in convert_error(argv, capsys)
@@ -1594,6 +1599,9 @@ def test_the_python_api_refuses_bad_arguments_naming_them(tiny):
     for stop_ids in (None, 151645, [-5], {VOCAB}):
         with pytest.raises(UserError, match=re.escape("stop_ids must be a set of token ids")):
             gen.generate([[1, 2]], max_new=4, stop_ids=stop_ids)
+    # Refused before the prefill runs
+    with pytest.raises(UserError, match="on_tokens 5: a function"):
+        gen.generate([[1, 2]], max_new=4, stop_ids=set(), on_tokens=5)
     with pytest.raises(UserError, match="give a list of 1 to 2 prompts"):
         gen.generate(torch.tensor([[1, 2]]), max_new=4, stop_ids=set())
     if not CUDA:
@@ -1998,14 +2006,10 @@ def test_cuda_quantized_modes_identical_greedy(tmp_path, moe, quantization):
         assert greedy(path, [[1, 2, 3]], max_new=40, device="cuda", **MODES[mode]) == eager, mode
 
 
-def test_cuda_graph_without_cuda_is_one_line_before_loading(tmp_path, capsys):
-    """Refused before anything is loaded: the checkpoint isn't even looked at."""
-    with pytest.raises(SystemExit) as e:
-        G.main(["--device", "cpu", "--checkpoint", str(tmp_path / "none"), "--prompt", "hi",
-                "--cuda-graph"])
-    assert str(e.value.code) == ("error: --cuda-graph needs a CUDA device (--device cuda): leave "
-                                 "it out on the CPU")
-    assert "loading" not in capsys.readouterr().err
+def test_cuda_graph_without_cuda_is_one_line(tiny):
+    """The Generator's own check, which the command line reaches."""
+    r = cli("--device", "cpu", "--checkpoint", tiny, "--prompt", "hi", "--cuda-graph")
+    one_line_error(r, "cuda_graph needs a CUDA device: leave out --cuda-graph")
 
 
 @pytest.mark.beside
@@ -2063,7 +2067,7 @@ def test_compile_and_cuda_graph_are_alternatives(tiny):
     assert str(e.value.code) == "error: argument --cuda-graph: not allowed with argument --compile"
     with pytest.raises(UserError, match="compile and cuda_graph: choose one way or the other"):
         generator(tiny, compile=True, cuda_graph=True)
-    with pytest.raises(UserError, match="cuda_graph needs the model on a CUDA device"):
+    with pytest.raises(UserError, match="cuda_graph needs a CUDA device: leave out --cuda-graph"):
         generator(tiny, cuda_graph=True)
 
 
@@ -2116,7 +2120,7 @@ def test_cli_stop_ids(tiny):
     assert r.stdout == tok.decode(ids[:ids.index(stop)]) + "\n"
 
 
-def test_text_stream_holds_back_split_characters(tiny):
+def test_text_stream_holds_back_split_characters(tiny, monkeypatch):
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(os.path.join(tiny, "tokenizer.json"))
     ids = tok.encode("hello 🦙 world ñ").ids
@@ -2124,7 +2128,8 @@ def test_text_stream_holds_back_split_characters(tiny):
     # a character really is split
     assert any(decode(ids[:i]).endswith("\ufffd") for i in range(len(ids)))
     buf = io.StringIO()
-    stream = G.TextStream(decode, ["the prompt"], buf)
+    monkeypatch.setattr(sys, "stdout", buf)  # replaced after import: the stream finds it
+    stream = G.TextStream(decode, ["the prompt"])
     for i in range(1, len(ids) + 1):
         stream([ids[:i]])
         assert "\ufffd" not in buf.getvalue()
@@ -2177,6 +2182,11 @@ def test_chat_template_from_the_checkpoint_first_refused_where_it_has_none(tiny,
         (own / "chat_template.jinja").write_text(failing)  # Python's errors, not Jinja's
         with pytest.raises(UserError, match="the checkpoint's chat template fails: "):
             G.Tokenizer(str(own)).chat(user_says("hi"))
+    # Arguments of the wrong kind: ours to refuse, not the template's
+    with pytest.raises(UserError, match="each a role and a str content"):
+        G.Tokenizer(str(own)).chat([{"role": "user", "content": 5}])
+    with pytest.raises(UserError, match="thinking 'no': True or False"):
+        G.Tokenizer(str(own)).chat(user_says("hi"), thinking="no")
     (own / "chat_template.jinja").write_bytes(b"\xff{{ messages }}")
     with pytest.raises(UserError, match="chat_template.jinja is not UTF-8 text"):
         G.Tokenizer(str(own))
@@ -2259,12 +2269,12 @@ def test_cli_prompt_too_long_prints_no_stray_line(tiny):
     assert r.stdout == ""
 
 
-def test_negative_stop_ids_are_refused_before_loading(tiny, monkeypatch):
-    """A negative --stop-ids is refused from the flags alone, before the checkpoint loads."""
-    monkeypatch.setattr(G, "load", lambda *args, **kwargs: pytest.fail("loaded"))
-    with pytest.raises(SystemExit) as e:
-        G.main(["--device", "cpu", "--checkpoint", tiny, "--prompt", "hi", "--stop-ids", "-5"])
-    assert e.value.code == "error: --stop-ids: token ids are 0 or more"
+def test_stop_ids_out_of_the_vocabulary_name_the_flag_alone(tiny):
+    """--stop-ids past the vocabulary: the flag's ids, not the model's own eos ids besides."""
+    for ids in ("-5", str(VOCAB), str(10 ** 30)):
+        r = cli("--device", "cpu", "--checkpoint", tiny, "--prompt", "hi", "--stop-ids", ids)
+        assert r.returncode == 1 and r.stderr.endswith(
+            f"error: --stop-ids: ids in [0, {VOCAB}), please\n"), r.stderr
 
 
 def test_the_cache_holds_a_buckets_length(tiny, monkeypatch, capsys):
@@ -2309,8 +2319,9 @@ def test_the_cache_holds_a_buckets_length(tiny, monkeypatch, capsys):
     (["--checkpoint", "/nonexistent"], "no converted checkpoint"),
     (["--system", "be brief"], "go with --chat"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
-    (["--stop-ids", "-5"], "--stop-ids: token ids are 0 or more"),
-    (["--stop-ids", str(10 ** 30)], "stop_ids must be a set of token ids in [0, 512)"),
+    (["--stop-ids", "-5"], "--stop-ids: ids in [0, 512), please"),
+    (["--stop-ids", str(10 ** 30)], "--stop-ids: ids in [0, 512), please"),
+    (["--checkpoint", ""], "an empty path: name a converted checkpoint"),
 ])
 def test_cli_bad_input_one_line(tiny, args, message):
     argv = ["--device", "cpu", "--checkpoint", tiny, "--prompt", "hello world", *args]
@@ -2554,6 +2565,16 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
      "YaRN parameters {'factor': nan, 'original_max_position_embeddings': 32} are not all finite"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_scaling": YARN},
      "rope_parameters and rope_scaling disagree: keep one"),
+    # our config.json's own YaRN parameters
+    ({"yarn": {"factor": "4", "original_max_position_embeddings": 32}},
+     "YaRN parameters {'factor': '4', 'original_max_position_embeddings': 32} are not all finite"),
+    ({"yarn": [4]}, "YaRN parameters [4] are not all finite numbers"),
+    # sizes past any Qwen3's, each: building the model would take minutes, or overflow
+    *[({name: 10 ** 30}, "sizes far past any Qwen3's") for name in
+      ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size", "head_dim")],
+    ({"num_hidden_layers": 5000}, "sizes far past any Qwen3's"),
+    ({**MOE, "num_experts": 2 ** 30, "moe_intermediate_size": 2 ** 20},
+     "sizes far past any Qwen3's"),
 ], ids=lambda value: str(value)[:40])
 def test_config_values_that_describe_no_model_are_refused(changes, message):
     """Each value that leaves the model undefined, refused by the checks that the converter (before
@@ -2932,7 +2953,7 @@ def assert_close(got, want, tol, what):
 
 @pytest.mark.parametrize("device,dtype,tol", KERNEL_RUNS)
 # K above the kernel's block: a ragged last block
-@pytest.mark.parametrize("N,K", [(40, 48), (300, 1104)])
+@pytest.mark.parametrize("N,K", [(40, 48), (44, 1104)])
 def test_kernel_gemv_matches_reference_ops(device, dtype, tol, N, K):
     """The product, alone and with what it fuses (the RMSNorm before it, the residual or the SiLU
     gate after it), as PyTorch's ops make it: of float weights, and of quantize.py's int8 and int4
@@ -3087,7 +3108,7 @@ SAMPLER_RUNS = [pytest.param("cpu", marks=in_interpreter, id="interpreter"),
 @pytest.mark.parametrize("top_k,top_p", [(1, 1.0), (5, 1.0), (20, 0.95), (64, 0.5)])
 def test_kernel_sampler_draws_pytorchs_tokens(device, top_k, top_p):
     """The fast path's top-k draw gives generate.sample's tokens from the same seed: 6 rows of one
-    and a half chunks of logits (the second chunk ragged), 5 draws each; fp32 logits, and logits
+    and a half chunks of logits (the second chunk ragged), 3 draws each; fp32 logits, and logits
     in steps of 1/4, as bf16 logits tie, within the candidates and at the k-th."""
     torch.manual_seed(0)
     vocab = fast.SAMPLE_CHUNK * 3 // 2
@@ -3100,7 +3121,7 @@ def test_kernel_sampler_draws_pytorchs_tokens(device, top_k, top_p):
         drawn = {}
         for use_kernels, draw in draws.items():
             torch.manual_seed(1)
-            drawn[use_kernels] = torch.stack([draw(scores) for _ in range(5)])
+            drawn[use_kernels] = torch.stack([draw(scores) for _ in range(3)])
         assert torch.equal(drawn[False], drawn[True]), (drawn[False][:3], drawn[True][:3])
         # fresh noise at every draw
         assert (len(set(drawn[True][:, 0].tolist())) > 1) == (top_k > 1)
@@ -3132,28 +3153,29 @@ def test_the_top_k_kernel_draws_where_it_takes_the_filter(tiny, monkeypatch):
 @pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe", "tiny_moe_int4"])
 def test_model_with_kernels_matches_reference_ops(checkpoint, device, dtype, tol, request):
     """forward_one_token's glue around the kernels (cache views, strides, positions, expert ids): a
-    batch-1 greedy decode with the kernels gives the tokens and caches of one without, across the
-    256 -> 512 attended length (fp32)."""
+    batch-1 greedy decode with the kernels gives the logits, tokens and caches of one without,
+    across the 256 -> 512 attended length (fp32)."""
     tiny = request.getfixturevalue(checkpoint)
 
     def run(use_kernels):
         gen = generator(tiny, capacity=320, device=device, use_kernels=use_kernels)
+        logits, forward_one_token = [], gen.forward_one_token
+
+        def kept(*args):  # each decode step's logits
+            logits.append(forward_one_token(*args))
+            return logits[-1]
+        gen.forward_one_token = kept
         # Two decode steps: at position 255 (attending to 256) and at 256 (to 512)
         tokens = gen.generate([list(range(1, 256))], max_new=3, stop_ids=set())[0][0]
-        return tokens, [c for layer in gen.model.layers for c in layer.self_attn.kv_cache.buffers()]
+        cache = [c for layer in gen.model.layers for c in layer.self_attn.kv_cache.buffers()]
+        return tokens, torch.cat(logits), cache
     # warm-up: the process's first CPU prefill sometimes rounds differently (~1 run in 10)
     run(False)
-    ref_tokens, ref_cache = run(False)
-    tokens, cache = run(True)
-    assert tokens == ref_tokens
+    ref_tokens, ref_logits, ref_cache = run(False)
+    tokens, logits, cache = run(True)
+    assert tokens == ref_tokens and len(logits) == 2
+    assert torch.allclose(logits, ref_logits, atol=1e-4)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(cache, ref_cache, strict=True))
-    # one token through the whole model, kernels on and off
-    model = load(tiny, capacity=512, device=device)
-    prompt = list(range(1, 300))
-    forward(model, prompt[:-1])
-    ref = forward(model, prompt[-1:], start=len(prompt) - 1)
-    assert torch.allclose(forward(model, prompt[-1:], start=len(prompt) - 1, use_kernels=True), ref,
-                          atol=1e-4)
 
 
 def interpreter_skip_reason() -> str | None:
@@ -3409,7 +3431,7 @@ def test_chat_refuses_bad_flags_and_a_closed_stdin_before_any_turn(tiny):
     """Flags that would fail every turn, a closed stdin, and torchrun: one line, exit 1, no turn
     taken."""
     chat_py = os.path.join(HERE, "chat.py")
-    for args, message in [(["--stop-ids", "-5"], "--stop-ids: token ids are 0 or more"),
+    for args, message in [(["--stop-ids", "-5"], "--stop-ids: ids in [0, 512)"),
                           (["--stop-ids", "512"], "--stop-ids: ids in [0, 512)"),
                           (["--max-new-tokens", "64", "--cache-len", "64"],
                            "--max-new-tokens 64 leaves no room in the cache (64 positions)")]:
