@@ -221,17 +221,33 @@ class BesideOutcomes:
                 file.write(json.dumps([report.nodeid, report.outcome, report.longreprtext]) + "\n")
 
 
-class CalledBeside:
-    """This process's plugin: a test marked beside is not called here; its outcome is the one it
-    had in the second process, `run`."""
+# The tests that a third process runs where the machine has 4 cores or more (a GPU machine has
+# many): the GPU's own, and the converter's memory, which write and read gigabytes
+APART = ("cuda", "memory")
 
-    def __init__(self, run: Started):
-        self.run = run
+
+def process_of(item) -> str | None:
+    """The process that runs a test besides this one: "beside" for the tests marked so, "apart"
+    for APART's where the machine has the cores; None: this process."""
+    if item.get_closest_marker("beside"):
+        return "beside"
+    if os.cpu_count() >= 4 and any(word in item.nodeid for word in APART):
+        return "apart"
+    return None
+
+
+class CalledBeside:
+    """This process's plugin: a test that process_of gives another process is not called here;
+    its outcome is the one it had there, in `runs`."""
+
+    def __init__(self, runs: dict[str, Started]):
+        self.runs = runs
 
     def pytest_pyfunc_call(self, pyfuncitem):
-        if pyfuncitem.get_closest_marker("beside") is None:
+        process = process_of(pyfuncitem)
+        if process is None:
             return None  # pytest calls it
-        outcome, report = self.run.outcome(pyfuncitem.nodeid)
+        outcome, report = self.runs[process].outcome(pyfuncitem.nodeid)
         if outcome == "skipped":
             pytest.skip(report)
         if outcome == "failed":
@@ -252,13 +268,18 @@ def started(request, tmp_path_factory):
         return
     names = {item.originalname for item in request.session.items}
     runs = {}
-    beside = [item.nodeid for item in request.session.items if item.get_closest_marker("beside")]
-    if beside:
-        folder = tmp_path_factory.mktemp("beside")
+    others = {}
+    for item in request.session.items:
+        if process_of(item):
+            others.setdefault(process_of(item), []).append(item.nodeid)
+    for process, nodeids in others.items():
+        folder = tmp_path_factory.mktemp(process)
         (folder / "outcomes").touch()
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *beside]
-        runs["beside"] = Started(command, folder, {BESIDE_OUTCOMES: str(folder / "outcomes")})
-        request.config.pluginmanager.register(CalledBeside(runs["beside"]), "called_beside")
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *nodeids]
+        runs[process] = Started(command, folder, {BESIDE_OUTCOMES: str(folder / "outcomes")})
+    beside = bool(others)
+    if beside:
+        request.config.pluginmanager.register(CalledBeside(dict(runs)), "called_beside")
     if "test_kernels_in_triton_interpreter" in names and interpreter_skip_reason() is None:
         folder = tmp_path_factory.mktemp("interpreter")
         runs["interpreter"] = Started(INTERPRETER_COMMAND, folder, {"TRITON_INTERPRET": "1"})
