@@ -170,12 +170,16 @@ class CUDAGraphs:
 
 @dataclass
 class GenerationStats:
-    prefill_s: float  # the prompts in, each row's first token out: the time to first token
+    # The prompts in, each row's first token out: the time to first token
+    prefill_s: float
     # Compiled or graphed decode steps that compile or capture: the first at each attended length
     warmup_s: float
-    decode_s: float  # every other decode step
-    decode_steps: int  # the steps timed in decode_s (each gives every row a token)
-    interrupted: bool = False  # Ctrl-C, SIGTERM or SIGHUP ended the decode loop early
+    # Every other decode step
+    decode_s: float
+    # The steps timed in decode_s (each gives every row a token)
+    decode_steps: int
+    # Ctrl-C, SIGTERM or SIGHUP ended the decode loop early
+    interrupted: bool = False
 
 
 class Generator:
@@ -258,7 +262,8 @@ class Generator:
         if cuda_graph:
             self.prefill_step = CUDAGraphs(self.prefill_prompts)
             self.decode_step = CUDAGraphs(self.decode_one_token)
-        if compile:  # torch._dynamo is imported here alone: it takes seconds
+        if compile:
+            # Torch._dynamo is imported here alone: it takes seconds
             for tensor in vars(self.state).values():
                 # cudagraph trees: inputs, not copies
                 torch._dynamo.mark_static_address(tensor)
@@ -292,8 +297,7 @@ class Generator:
         """One step for every row, device-side only: the eager, compiled and graphed modes all run
         this. kv_positions: the attended prefix of the cache (its length alone is read)."""
         state = self.state
-        kv_len = kv_positions.shape[0]
-        logits = self.forward_one_token(state.tokens, state.positions, kv_len)
+        logits = self.forward_one_token(state.tokens, state.positions, len(kv_positions))
         state.tokens.copy_(self.draw(logits[:, -1])[:, None])
         state.positions.add_(1)
         state.sequences.scatter_(1, state.positions, state.tokens)
@@ -475,7 +479,8 @@ class Checkpoint:
     """What generation needs from a converted checkpoint directory."""
     model: Transformer
     tokenizer: Tokenizer
-    sampling: SamplingParams  # generation_config.json's defaults, else greedy
+    # Generation_config.json's defaults, else greedy
+    sampling: SamplingParams
     # The end-of-sequence tokens of config.json and generation_config.json
     stop_ids: set[int]
 
@@ -699,8 +704,11 @@ def run(argv) -> None:
     rows, stats = gen.generate(prompts, max_new=args.max_new_tokens, stop_ids=stop_ids,
                                check_every=args.check_every, on_tokens=stream)
     stream.finish()
+    # No flag on a GPU: kernels launched one by one from Python, many times slower
+    eager = args.device.type == "cuda" and not (args.compile or args.cuda_graph)
+    hint = " Eager: --cuda-graph or --compile decode many times faster." if eager else ""
     if talks:
-        print(report(stats, rows), file=sys.stderr)
+        print(report(stats, rows) + hint, file=sys.stderr)
     if stats.interrupted:
         sys.exit(130)
 

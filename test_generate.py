@@ -610,6 +610,19 @@ def test_the_natural_decode_call_gives_the_whole_sequences_logits(checkpoint, re
             assert torch.allclose(logits, whole[:, -1], atol=1e-5), step
 
 
+def test_the_report_names_the_fast_flags_on_a_gpu_alone(tiny):
+    """Eager on a GPU launches each kernel from Python, many times slower than either flag: its
+    report says so. On the CPU (and with a flag) nothing is said."""
+    runs = [("cpu", [], False)]
+    if CUDA:
+        runs += [("cuda", [], True), ("cuda", ["--cuda-graph"], False)]
+    for device, flags, hinted in runs:
+        r = cli("--checkpoint", tiny, "--prompt", "hi", "--max-new-tokens", "4", "--device", device,
+                *flags)
+        said = r.stderr.endswith(" Eager: --cuda-graph or --compile decode many times faster.\n")
+        assert r.returncode == 0 and said == hinted, r.stderr
+
+
 @needs_cuda
 @pytest.mark.parametrize("mode", ["eager", "compile", "graph"])
 @pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe"])
