@@ -263,7 +263,7 @@ class Generator:
             self.prefill_step = CUDAGraphs(self.prefill_prompts)
             self.decode_step = CUDAGraphs(self.decode_one_token)
         if compile:
-            # Torch._dynamo is imported here alone: it takes seconds
+            # torch._dynamo is imported here alone: it takes seconds
             for tensor in vars(self.state).values():
                 # cudagraph trees: inputs, not copies
                 torch._dynamo.mark_static_address(tensor)
@@ -457,7 +457,8 @@ class Tokenizer:
         enable_thinking=False."""
         require(self.chat_template, "the checkpoint has no chat template: copy its snapshot's own")
         listed = isinstance(messages, list) and all(isinstance(m, dict) for m in messages)
-        texts = listed and all(isinstance(m.get("content"), str) for m in messages)
+        # A tool call's message may have no content
+        texts = listed and all(isinstance(m.get("content"), str | None) for m in messages)
         require(texts, f"messages {messages!r}: a list of dicts, each a role and a str content")
         require(type(thinking) is bool, f"thinking {thinking!r}: True or False")
         import jinja2.sandbox
@@ -479,7 +480,7 @@ class Checkpoint:
     """What generation needs from a converted checkpoint directory."""
     model: Transformer
     tokenizer: Tokenizer
-    # Generation_config.json's defaults, else greedy
+    # generation_config.json's defaults, else greedy
     sampling: SamplingParams
     # The end-of-sequence tokens of config.json and generation_config.json
     stop_ids: set[int]
