@@ -457,8 +457,7 @@ class Tokenizer:
         enable_thinking=False."""
         require(self.chat_template, "the checkpoint has no chat template: copy its snapshot's own")
         listed = isinstance(messages, list) and all(isinstance(m, dict) for m in messages)
-        # A tool call's message may have no content
-        texts = listed and all(isinstance(m.get("content"), str | None) for m in messages)
+        texts = listed and all(isinstance(m.get("content"), str) for m in messages)
         require(texts, f"messages {messages!r}: a list of dicts, each a role and a str content")
         require(type(thinking) is bool, f"thinking {thinking!r}: True or False")
         import jinja2.sandbox
