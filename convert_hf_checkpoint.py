@@ -159,8 +159,8 @@ def model_args(config: dict) -> ModelArgs:
     if rope_type not in ("default", "yarn"):
         raise UserError(f"rope type {rope_type}: only default RoPE and YaRN are supported")
     # YaRN's parameters: a Hugging Face config's rope_parameters, or our config.json's yarn
-    named = ("rope_type", "type", "rope_theta")
-    yarn = {key: value for key, value in rope.items() if key not in named}
+    yarn = {key: value for key, value in rope.items()
+            if key not in ("rope_type", "type")}
     yarn = yarn if rope_type == "yarn" else config.get("yarn") or {}
     numbers = isinstance(yarn, dict) and all(
         type(v) in (int, float, bool) and math.isfinite(v) for v in yarn.values())

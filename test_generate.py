@@ -270,8 +270,9 @@ def started(request, tmp_path_factory):
     runs = {}
     others = {}
     for item in request.session.items:
-        if process_of(item):
-            others.setdefault(process_of(item), []).append(item.nodeid)
+        process = process_of(item)
+        if process:
+            others.setdefault(process, []).append(item.nodeid)
     for process, nodeids in others.items():
         folder = tmp_path_factory.mktemp(process)
         (folder / "outcomes").touch()
