@@ -148,6 +148,20 @@ def _weight_block(w_rows, n, k0, N, row_words, BK: tl.constexpr):
 
 
 @triton.jit
+def _subnormal_field(words, shift: tl.constexpr, FIELD_BITS: tl.constexpr,
+                     SIGNED: tl.constexpr):
+    # The field of FIELD_BITS bits at `shift` in the low 16 bits of each int32 word, as the fp32
+    # whose bits are the field masked in place: the subnormal u * 2^(shift - 149), exactly, for u
+    # the field's unsigned value. One integer operation a weight, where a conversion instruction a
+    # weight would be the limit. SIGNED (int8): the sign bit flipped in the same operation, so
+    # u = q + 128.
+    bits = words & ((2 ** FIELD_BITS - 1) << shift)
+    if SIGNED:
+        bits = bits ^ (128 << shift)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _gemv(x, weight, scale, offset, norm, res, out, router, N, row_words, x_row,
           eps: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
           SCALE: tl.constexpr, RES: tl.constexpr, EXPERTS: tl.constexpr, TOP_K: tl.constexpr,
@@ -158,23 +172,20 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, row_words, x_row,
     # GATED, rows i and N / 2 + i of that are gate i and up i: out[j, i] = silu(gate) * up. MoE: w
     # and scale hold EXPERTS experts, of which the router's logits pick TOP_K, and output j uses
     # pick j; or, ROUTED, output t is pick t's, from its own input row x[t] and weighted by its
-    # routing weight, for _add_rows to sum. Quantized weights come as
-    # int32 words of PACK fields, int8's 4 bytes or int4's 8 nibbles. A field masked where it lies
-    # in the word's low 16 bits (fields PACK / 2 on, of the word shifted down 16) is, as float bits,
-    # the subnormal u * 2^(shift - 149), exactly: one integer operation a weight, where a
-    # conversion instruction a weight would be the limit. int8's u = q + 128 (its sign bit flipped
-    # in the same operation): the sum of a times 128 is taken off at the end. int4's w = q * scale
-    # + offset per GROUP_SIZE columns of a row: the sums of q * a of a block's groups are scaled,
-    # plus
-    # offset * each group's sum of a.
+    # routing weight, for _add_rows to sum. Quantized weights come as int32 words of PACK fields
+    # (int8's 4 bytes, int4's 8 nibbles), each read as _subnormal_field reads it. int8's u = q +
+    # 128: the sum of a times 128 is taken off at the end. int4's w = q * scale + offset per
+    # GROUP_SIZE columns of a row: the sums of q * a of a block's groups are scaled, plus offset *
+    # each group's sum of a.
     #
     # Program (tile, j, t): BN rows of output j (picked), or t (ROUTED: a program summing the
     # picks would read their weights one after another, too few bytes in flight).
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
     if GATED:
         # BN / 2 pairs a program, each a gate row then its up row
         pair = tl.program_id(0) * (BN // 2) + tl.arange(0, BN) // 2
         n = pair + tl.arange(0, BN) % 2 * (N // 2)
+    else:
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
     j, t = tl.program_id(1), tl.program_id(2)
     # GROUP_WORDS words per int4 group, else 1; FIELD_BITS bits a field
     K = row_words * PACK
@@ -215,14 +226,12 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, row_words, x_row,
                 squares += a * a
                 a = a * tl.load(norm + k, mask=k < K, other=0.0).to(tl.float32)
             if PACK > 1:
-                # The subnormal u * 2^(shift - 149); a takes 2^(85 - shift), so the product is
-                # u * a * 2^-64, scaled back at the end
+                # Fields PACK / 2 on lie in the word's high half, shifted down 16
                 shift = FIELD_BITS * (i % (PACK // 2))
-                bits = (high if i >= PACK // 2 else w_words) & ((2 ** FIELD_BITS - 1) << shift)
-                if not GROUP_SIZE:
-                    bits = bits ^ (128 << shift)
-                wi = bits.to(tl.float32, bitcast=True)
+                half = high if i >= PACK // 2 else w_words
+                wi = _subnormal_field(half, shift, FIELD_BITS, SIGNED=not GROUP_SIZE)
                 a_sum += a
+                # a takes 2^(85 - shift): the product u * a * 2^-64, scaled back at the end
                 a = a * (2.0 ** 85 / (1 << shift))
             else:
                 wi = w_words.to(tl.float32)
