@@ -184,11 +184,11 @@ class GenerationStats:
 
 class Generator:
     """Prefill and the decode loop for up to `batch` prompts at once, in a cache of `capacity`
-    positions. use_kernels: whether the Triton fast path runs (the one-token forward at batch 1, the
-    top-k draw); by default, wherever it can (CUDA, with qwen3_triton.py and Triton). The two steps,
-    prefill_prompts and decode_one_token, run eagerly; or with compile, the decode step under
-    torch.compile (reduce-overhead: inductor's code in its CUDA graphs); or with cuda_graph, both
-    as our CUDA graphs."""
+    positions. use_kernels: whether the Triton fast path runs (the decode step's forward up to a
+    batch of 16, the top-k draw); by default, wherever it can (CUDA, with qwen3_triton.py and
+    Triton). The two steps, prefill_prompts and decode_one_token, run eagerly; or with compile,
+    the decode step under torch.compile (reduce-overhead: inductor's code in its CUDA graphs); or
+    with cuda_graph, both as our CUDA graphs."""
 
     def __init__(self, model: Transformer, *, batch: int, capacity: int, sampling: SamplingParams,
                  use_kernels: bool | None = None, compile: bool = False, cuda_graph: bool = False):
@@ -232,11 +232,11 @@ class Generator:
         self.batch = batch
         self.capacity = capacity
         self.state = DecodeState(batch, capacity, device)
-        # The model, or where it serves, the fast path's one-token forward (its products take one
-        # row): tokens (R, 1) at positions (R, 1), the attended length -> logits (R, 1, V)
-        self.forward_one_token = model
-        if use_kernels and batch == 1:
-            self.forward_one_token = functools.partial(qwen3_triton.forward_one_token, model)
+        # The model, or where it serves, the fast path's forward of a step (of at most STEP_TOKENS
+        # tokens): tokens (R, T) at positions (R, T), the attended length -> logits (R, T, V)
+        self.forward_step = model
+        if use_kernels and batch <= qwen3_triton.STEP_TOKENS:
+            self.forward_step = functools.partial(qwen3_triton.forward_step, model)
         # Next ids (R,) from logits (R, V): the fast path's kernel where it takes the filter, a
         # top-k of at most MAX_TOP_K (the same tokens from the same noise, to the rounding of the
         # top-p cut and of the noise's logarithms), else sample
@@ -297,7 +297,7 @@ class Generator:
         """One step for every row, device-side only: the eager, compiled and graphed modes all run
         this. kv_positions: the attended prefix of the cache (its length alone is read)."""
         state = self.state
-        logits = self.forward_one_token(state.tokens, state.positions, len(kv_positions))
+        logits = self.forward_step(state.tokens, state.positions, len(kv_positions))
         state.tokens.copy_(self.draw(logits[:, -1])[:, None])
         state.positions.add_(1)
         state.sequences.scatter_(1, state.positions, state.tokens)

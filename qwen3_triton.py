@@ -1,14 +1,16 @@
-"""The Triton fast path for decode steps on CUDA: model.py's one-token forward in six kernels a
-dense layer, and the top-k / top-p draw of generate.sample in two launches.
+"""The Triton fast path for steps of up to 16 tokens on CUDA (a decode step of up to 16 rows, a
+row's few new tokens): model.py's forward in six kernels a dense layer, and the top-k / top-p draw
+of generate.sample in two launches.
 
-A decode step at batch 1 reads every weight once and is bound by its many small kernels (each a
-launch gap and a ramp-up, even in a CUDA graph). So each product here is one matrix-vector kernel
-with its neighbours fused in: the RMSNorm before it, the SiLU gate, int8 or int4 dequantisation, the
-residual after it, and for MoE the router's picks and weights. Attention is one split-KV kernel for
-one query a row, with the q/k norms, RoPE and the cache write fused in, and a merge. On Hopper GPUs
-each kernel launches while the one before it finishes (programmatic dependent launch). Nothing here
-is needed: generate.py runs PyTorch's ops where this file, or Triton, is missing; the tests hold
-every kernel to model.py's ops.
+Such a step reads every weight once and is bound by its bandwidth and its many small kernels (each
+a launch gap and a ramp-up, even in a CUDA graph). So each product here is one kernel with its
+neighbours fused in: the RMSNorm before it, the SiLU gate, int8 or int4 dequantisation, the residual
+after it, and for MoE the router's picks and weights; one token's is a matrix-vector product,
+several tokens' one on tensor cores that reads each weight once for all of them. Attention is one
+split-KV kernel a query, with the q/k norms, RoPE and the cache write fused in, and a merge. On
+Hopper GPUs each kernel launches while the one before it finishes (programmatic dependent launch).
+Nothing here is needed: generate.py runs PyTorch's ops where this file, or Triton, is missing;
+the tests hold every kernel to model.py's ops.
 """
 import torch
 import triton
@@ -18,39 +20,45 @@ from torch import Tensor
 from model import MoE, Transformer
 
 
-def forward_one_token(model: Transformer, tokens: Tensor, positions: Tensor,
-                      kv_len: int) -> Tensor:
-    """model(tokens, positions, kv_len) for one token, tokens and positions (1, 1): logits (1, 1,
-    vocab). Layer by layer: the qkv product with the norm before it, attention, o_proj with the
-    residual, gate-up with the norm and the gate, down with the residual (MoE: the router, then the
-    picked experts' gate-up and down). Where tp.py split the model (model.tensor_parallel), o_proj
-    and down sum the ranks' shares."""
+# The most tokens a step of the fast path is for, rows x tokens a row: its products read each
+# block of weights once for 16 tokens. Larger steps run PyTorch's ops.
+STEP_TOKENS = 16
+
+
+def forward_step(model: Transformer, tokens: Tensor, positions: Tensor, kv_len: int) -> Tensor:
+    """model(tokens, positions, kv_len) for a step of R rows of T tokens, tokens and positions (R,
+    T): logits (R, T, vocab). Each token is a row of the products, (R x T, 1, hidden). Layer by
+    layer: the qkv product with the norm before it, attention, o_proj with the residual, gate-up
+    with the norm and the gate, down with the residual (MoE: the router, then the picked experts'
+    gate-up and down). Where tp.py split the model (model.tensor_parallel), o_proj and down sum the
+    ranks' shares."""
     split = getattr(model, "tensor_parallel", None)
-    # (1, 1, hidden)
-    x = model.embed_tokens(tokens)
+    # (R x T, 1, hidden)
+    x = model.embed_tokens(tokens.view(-1, 1))
     for layer in model.layers:
         attn = layer.self_attn
         qkv = product(weights(attn.qkv_proj), x, norm=layer.input_layernorm)
-        y = decode_attention(qkv, attn.kv_cache.k, attn.kv_cache.v, positions[:, 0], model.rope_cos,
+        y = decode_attention(qkv, attn.kv_cache.k, attn.kv_cache.v, positions, model.rope_cos,
                              model.rope_sin, attn.q_norm.weight, attn.k_norm.weight,
                              attn.q_norm.eps, attn.n_heads, kv_len)
-        x = product(weights(attn.o_proj), y.view(1, 1, -1), residual=x, split=split)
+        x = product(weights(attn.o_proj), y.view(len(x), 1, -1), residual=x, split=split)
         norm = layer.post_attention_layernorm
         mlp = layer.mlp
         moe = isinstance(mlp, MoE)
-        # the router's logits (experts,) pick the experts in the kernels
+        # the router's logits (R x T, experts) pick each token's experts in the kernels
         if moe:
-            router = product(weights(mlp.gate), x, norm=norm).view(-1)
+            router = product(weights(mlp.gate), x, norm=norm).view(len(x), -1)
             routing = dict(router=router, top_k=mlp.top_k, norm_topk_prob=mlp.norm_topk_prob)
             gate_up_proj = weights(mlp.experts, "gate_up_proj")
             down_proj = weights(mlp.experts, "down_proj")
         else:
             routing = {}
             gate_up_proj, down_proj = weights(mlp.gate_up_proj), weights(mlp.down_proj)
-        # silu(gate) * up, (1, 1, inner); MoE: (top_k, 1, inner), an output per pick
+        # silu(gate) * up, (R x T, 1, inner); MoE: (R x T x top_k, 1, inner), an output per pick
         gated = product(gate_up_proj, x, norm=norm, gated=True, **routing)
         x = product(down_proj, gated, residual=x, routed=moe, split=split, **routing)
-    return product(weights(model.lm_head), x, norm=model.norm)
+    logits = product(weights(model.lm_head), x, norm=model.norm)
+    return logits.view(*tokens.shape, -1)
 
 
 def weights(module: torch.nn.Module, name: str = "weight") -> tuple:
@@ -168,36 +176,40 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, row_words, x_row,
           NORM_TOPK: tl.constexpr, ROUTED: tl.constexpr, EB: tl.constexpr, KB: tl.constexpr,
           BN: tl.constexpr, BK: tl.constexpr, PACK: tl.constexpr, GROUP_SIZE: tl.constexpr,
           PDL: tl.constexpr):
-    # out[j, n] = res[n] + scale[n] * sum_k w[n, k] * a[k], where a = x * norm / rms(x), or x;
-    # GATED, rows i and N / 2 + i of that are gate i and up i: out[j, i] = silu(gate) * up. MoE: w
-    # and scale hold EXPERTS experts, of which the router's logits pick TOP_K, and output j uses
-    # pick j; or, ROUTED, output t is pick t's, from its own input row x[t] and weighted by its
-    # routing weight, for _add_rows to sum. Quantized weights come as int32 words of PACK fields
-    # (int8's 4 bytes, int4's 8 nibbles), each read as _subnormal_field reads it. int8's u = q +
-    # 128: the sum of a times 128 is taken off at the end. int4's w = q * scale + offset per
-    # GROUP_SIZE columns of a row: the sums of q * a of a block's groups are scaled, plus offset *
-    # each group's sum of a.
+    # out[n] = res[n] + scale[n] * sum_k w[n, k] * a[k], where a = x * norm / rms(x), or x;
+    # GATED, rows i and N / 2 + i of that are gate i and up i: out[i] = silu(gate) * up. MoE: w
+    # and scale hold EXPERTS experts, of which token r's router logits pick TOP_K, and its output
+    # for pick j uses pick j, from x[r]; or, ROUTED, from its own input row x[r x TOP_K + j] and
+    # weighted by its routing weight, for _add_rows to sum. Quantized weights come as int32 words
+    # of PACK fields (int8's 4 bytes, int4's 8 nibbles), each read as _subnormal_field reads it.
+    # int8's u = q + 128: the sum of a times 128 is taken off at the end. int4's w = q * scale +
+    # offset per GROUP_SIZE columns of a row: the sums of q * a of a block's groups are scaled,
+    # plus offset * each group's sum of a.
     #
-    # Program (tile, j, t): BN rows of output j (picked), or t (ROUTED: a program summing the
-    # picks would read their weights one after another, too few bytes in flight).
+    # Program (tile, j, r): BN rows of token r's output for pick j, r * TOP_K + j (ROUTED: a
+    # program summing the picks would read their weights one after another, too few bytes in
+    # flight); without EXPERTS, of the one token's output.
     if GATED:
         # BN / 2 pairs a program, each a gate row then its up row
         pair = tl.program_id(0) * (BN // 2) + tl.arange(0, BN) // 2
         n = pair + tl.arange(0, BN) % 2 * (N // 2)
     else:
         n = tl.program_id(0) * BN + tl.arange(0, BN)
-    j, t = tl.program_id(1), tl.program_id(2)
+    j, r = tl.program_id(1), tl.program_id(2)
+    out_row = r * TOP_K + j
     # GROUP_WORDS words per int4 group, else 1; FIELD_BITS bits a field
     K = row_words * PACK
     GROUP_WORDS: tl.constexpr = max(GROUP_SIZE // PACK, 1)
     FIELD_BITS: tl.constexpr = 32 // PACK
     # the input row this program reads, and its pick
-    x_in = x + t * x_row
+    x_in = x + r * x_row
+    if ROUTED:
+        x_in = x + out_row * x_row
     expert = 0
     if EXPERTS:  # the router's logits are the previous kernel's
         _wait_for_previous(PDL)
-        ids, weights = _route(router, EXPERTS, TOP_K, NORM_TOPK, EB, KB)
-        pick = tl.arange(0, KB) == j + t
+        ids, weights = _route(router + r * EXPERTS, EXPERTS, TOP_K, NORM_TOPK, EB, KB)
+        pick = tl.arange(0, KB) == j
         expert = tl.sum(tl.where(pick, ids, 0), axis=0)
     w_rows = weight + expert * N * row_words
     # The first block of weights is read before the wait (no kernel writes weights): its loads are
@@ -273,21 +285,100 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, row_words, x_row,
         gate, up = tl.split(pairs)
         y = gate * tl.sigmoid(gate) * up
         rows, count = tl.program_id(0) * (BN // 2) + tl.arange(0, BN // 2), N // 2
-    tl.store(out + (j + t) * count + rows, y.to(out.dtype.element_ty), mask=rows < count)
+    tl.store(out + out_row * count + rows, y.to(out.dtype.element_ty), mask=rows < count)
 
 
 @triton.jit
 def _add_rows(rows, res, out, N, ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    # out = the sum of rows (ROWS, N) in row order, plus res: a routed product's picks
+    # Program (tile, r): out[r] = the sum of token r's rows (ROWS, N) in row order, plus res[r]: a
+    # routed product's picks
     _wait_for_previous(PDL)
     n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    r = tl.program_id(1)
     y = tl.zeros([BLOCK], tl.float32)
     for row in tl.static_range(ROWS):
-        y += tl.load(rows + row * N + n, mask=n < N, other=0.0)
+        y += tl.load(rows + (r * ROWS + row) * N + n, mask=n < N, other=0.0)
     if res is not None:
-        y += tl.load(res + n, mask=n < N, other=0.0).to(tl.float32)
-    tl.store(out + n, y.to(out.dtype.element_ty), mask=n < N)
+        y += tl.load(res + r * N + n, mask=n < N, other=0.0).to(tl.float32)
+    tl.store(out + r * N + n, y.to(out.dtype.element_ty), mask=n < N)
 
+
+
+@triton.jit
+def _field(words, i: tl.constexpr, FIELD_BITS: tl.constexpr, SIGNED: tl.constexpr):
+    # Field i (bits FIELD_BITS * i on) of each int32 word as an integer: int8's signed byte (its
+    # top bit moved to the word's, then shifted back with the sign), int4's unsigned nibble
+    if SIGNED:
+        return (words << (32 - FIELD_BITS * (i + 1))) >> (32 - FIELD_BITS)
+    return (words >> (FIELD_BITS * i)) & (2 ** FIELD_BITS - 1)
+
+
+@triton.jit
+def _rows_product(x, weight, scale, offset, norm, res, out, M, N, row_words, eps: tl.constexpr,
+                  NORM: tl.constexpr, GATED: tl.constexpr, SCALE: tl.constexpr,
+                  RES: tl.constexpr, PACK: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                  MB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+    # _gemv's product for M tokens x (M, K), without experts: each block of weights is read once
+    # for MB tokens, a product on tensor cores, (BN, BK) weights times (BK, MB) inputs, each
+    # rounded to x's dtype (the weights dequantized as quantize.dequantized does), summed in
+    # fp32. With NORM, the inputs times the norm's weights; 1 / rms scales the sums at the end.
+    # Program (tile, token block): BN weight rows (GATED: BN / 2 pairs) for MB tokens
+    if GATED:
+        pair = tl.program_id(0) * (BN // 2) + tl.arange(0, BN) // 2
+        n = pair + tl.arange(0, BN) % 2 * (N // 2)
+    else:
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+    m = tl.program_id(1) * MB + tl.arange(0, MB)
+    K = row_words * PACK
+    FIELD_BITS: tl.constexpr = 32 // PACK
+    DOT_TYPE: tl.constexpr = x.dtype.element_ty
+    _wait_for_previous(PDL)
+    # (MB,) each token's sum of squares, for its 1 / rms, applied at the end
+    squares = tl.zeros([MB], tl.float32)
+    if SCALE:
+        row_scale = tl.load(scale + n, mask=n < N, other=0.0).to(tl.float32)
+    acc = tl.zeros([BN, MB], tl.float32)
+    for k0 in range(0, row_words, BK):
+        words = k0 + tl.arange(0, BK)
+        w_words = _weight_block(weight, n, k0, N, row_words, BK)
+        if GROUP_SIZE:
+            # (BN, BK) each word's group's scale and offset
+            at = n[:, None] * (K // GROUP_SIZE) + words[None, :] // (GROUP_SIZE // PACK)
+            w_mask = (n[:, None] < N) & (words[None, :] < row_words)
+            group_scale = tl.load(scale + at, mask=w_mask, other=0.0).to(tl.float32)
+            group_offset = tl.load(offset + at, mask=w_mask, other=0.0).to(tl.float32)
+        for i in tl.static_range(PACK):
+            k = words * PACK + i
+            a_mask = (k[:, None] < K) & (m[None, :] < M)
+            a = tl.load(x + m[None, :] * K + k[:, None], mask=a_mask, other=0.0).to(tl.float32)
+            if NORM:
+                squares += tl.sum(a * a, axis=0)
+                a = a * tl.load(norm + k, mask=k < K, other=0.0).to(tl.float32)[:, None]
+            w = w_words
+            if PACK > 1:
+                w = _field(w_words, i, FIELD_BITS, SIGNED=not GROUP_SIZE).to(tl.float32)
+            if GROUP_SIZE:
+                w = w * group_scale + group_offset
+            if SCALE:
+                w = w * row_scale[:, None]
+            acc += tl.dot(w.to(DOT_TYPE), a.to(DOT_TYPE), input_precision="ieee")
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    y = acc
+    if NORM:
+        y = y * tl.rsqrt(squares / K + eps)[None, :]
+    if RES:
+        res_mask = (n[:, None] < N) & (m[None, :] < M)
+        y += tl.load(res + m[None, :] * N + n[:, None], mask=res_mask, other=0.0).to(tl.float32)
+    rows, count = n, N
+    if GATED:
+        # (BN / 2, MB, 2): each pair's gate and up, rounded as the model's product rounds them
+        pairs = tl.reshape(y.to(out.dtype.element_ty).to(tl.float32), [BN // 2, 2, MB])
+        gate, up = tl.split(tl.permute(pairs, (0, 2, 1)))
+        y = gate * tl.sigmoid(gate) * up
+        rows, count = tl.program_id(0) * (BN // 2) + tl.arange(0, BN // 2), N // 2
+    out_mask = (rows[:, None] < count) & (m[None, :] < M)
+    tl.store(out + m[None, :] * count + rows[:, None], y.to(out.dtype.element_ty), mask=out_mask)
 
 # Launch configurations of _gemv by what it fuses into its input and how its weights are stored,
 # from sweeps on the H200 over the shapes of 0.6B, 8B, 30B-A3B and 235B-A22B, weighted by their
@@ -310,6 +401,8 @@ GEMV_CONFIGS = {
     ("picked", "int4"): dict(BN=32, BK=128, num_warps=4),
     ("routed", "int4"): dict(BN=32, BK=64, num_warps=2),
 }
+# _rows_product's, the best for 8B's shapes at 16 tokens on an H100 (bench/RESULTS.md)
+ROWS_CONFIG = dict(BN=64, BK=128, num_warps=8)
 # By the weights' dtype: their kind above, and how many of them a 32-bit word holds
 STORAGE = {torch.int8: ("int8", 4), torch.uint8: ("int4", 8)}
 
@@ -338,20 +431,32 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | 
          eps: float = 0.0, gated: bool = False, residual: Tensor | None = None,
          router: Tensor | None = None, top_k: int = 0, norm_topk_prob: bool = False,
          routed: bool = False, offset: Tensor | None = None) -> Tensor:
-    """residual + (weight @ a) * scale for one token x (1, 1, K), where a is RMSNorm(x) * norm with
-    `norm`, else x; with `gated`, its rows are [gate; up] (model.MLP's gate_up_proj), and
-    the output is silu(gate) * up, N / 2 of them. weight (N, K) in x's dtype; or
-    int8 (K a multiple of 4) with a `scale` per row; or int4, (N, K / 2) uint8 packed as
+    """residual + (weight @ a) * scale for each token of x (tokens, 1, K), where a is RMSNorm(x) *
+    norm with `norm`, else x; with `gated`, its rows are [gate; up] (model.MLP's gate_up_proj),
+    and the output is silu(gate) * up, N / 2 of them. weight (N, K) in x's dtype; or int8 (K a
+    multiple of 4) with a `scale` per row; or int4, (N, K / 2) uint8 packed as
     quantize.quantize_int4 packs it, with a `scale` and an `offset` (N, K / group) per group of
-    columns (a multiple of 8). MoE: weight (experts, N, ...), and the `router` logits (experts,)
-    pick top_k of them as MoE.forward does: (top_k, 1, N), an output per pick; or, `routed`, with
-    x (top_k, 1, K), the picks' sum weighted by their routing weights, (1, 1, N)."""
+    columns (a multiple of 8). MoE: weight (experts, N, ...), and each token's `router` logits
+    (tokens, experts) pick top_k of them as MoE.forward does: (tokens x top_k, 1, N), an output a
+    pick; or, `routed`, with x (tokens x top_k, 1, K), each token's picks summed, weighted by their
+    routing weights, (tokens, 1, N)."""
     kind, pack = STORAGE.get(weight.dtype, ("float", 1))
     words = weight if kind == "float" else weight.view(torch.int32)
     N, row_words = words.shape[-2:]
     group_size = 0 if offset is None else row_words * pack // offset.shape[-1]
     experts = 0 if router is None else router.shape[-1]
+    tokens = x.shape[0] if router is None else router.shape[0]
     out = gemv_output(x, weight, gated=gated, router=router, top_k=top_k, routed=routed)
+    if tokens > 1 and router is None:
+        config = ROWS_CONFIG
+        # 16 tokens a program: tl.dot's least
+        grid = (triton.cdiv(N, config["BN"]), triton.cdiv(tokens, 16))
+        _rows_product[grid](x, words, scale, offset, norm, residual, out, tokens, N, row_words,
+                            eps, NORM=norm is not None, GATED=gated,
+                            SCALE=scale is not None and not group_size,
+                            RES=residual is not None, PACK=pack, GROUP_SIZE=group_size, MB=16,
+                            **config, **dependent_launch(x))
+        return out
     product_kind = input_kind(norm, router, routed), kind
     config = GEMV_CONFIGS[product_kind]
     # Rows of float weights longer than 8,192 (a large model's down: 8B's 12,288), 8 a program,
@@ -369,11 +474,11 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | 
     routing = dict(EXPERTS=experts, TOP_K=top_k, NORM_TOPK=norm_topk_prob, ROUTED=routed,
                    EB=triton.next_power_of_2(max(experts, 2)),
                    KB=triton.next_power_of_2(max(top_k, 2)))
-    # routed: a program a pick, each writing its row of `picks` (top_k, 1, N) in fp32, which
-    # _add_rows then sums with the residual
-    picks = x.new_empty(top_k, 1, N, dtype=torch.float32) if routed else out
+    # routed: a program a token's pick, each writing its row of `picks` (tokens x top_k, 1, N) in
+    # fp32, which _add_rows then sums with the residual
+    picks = x.new_empty(tokens * top_k, 1, N, dtype=torch.float32) if routed else out
     added = None if routed else residual
-    grid = (triton.cdiv(N, config["BN"]), out.shape[0], top_k if routed else 1)
+    grid = (triton.cdiv(N, config["BN"]), max(top_k, 1), tokens)
     # A None argument is a constexpr None to Triton: the branches that would read it are not
     # compiled
     _gemv[grid](x, words, scale, offset, norm, added, picks, router, N, row_words, x.shape[-1],
@@ -382,18 +487,19 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | 
                 RES=added is not None, PACK=pack, GROUP_SIZE=group_size, **routing, **config,
                 **dependent_launch(x))
     if routed:
-        _add_rows[(triton.cdiv(N, 1024),)](picks, residual, out, N, ROWS=top_k, BLOCK=1024,
-                                           **dependent_launch(x))
+        _add_rows[(triton.cdiv(N, 1024), tokens)](picks, residual, out, N, ROWS=top_k,
+                                                  BLOCK=1024, **dependent_launch(x))
     return out
 
 
 @torch.library.register_fake("qwen3_fast::gemv")
 def gemv_output(x, weight, scale=None, norm=None, eps=0.0, gated=False, residual=None, router=None,
                 top_k=0, norm_topk_prob=False, routed=False, offset=None):
-    """gemv's output, uninitialised: (top_k, 1, N) for the picked experts, else (1, 1, N); N / 2
-    with `gated`."""
+    """gemv's output, uninitialised: (tokens x top_k, 1, N) for the picked experts, else (tokens,
+    1, N); N / 2 with `gated`."""
+    tokens = x.shape[0] if router is None else router.shape[0]
     picked = router is not None and not routed
-    return x.new_empty(top_k if picked else 1, 1, weight.shape[-2] // (1 + gated))
+    return x.new_empty(tokens * top_k if picked else tokens, 1, weight.shape[-2] // (1 + gated))
 
 
 @triton.jit
@@ -418,32 +524,32 @@ def _norm_rope(x, rows, row_mask, weights, cos, sin, eps, HEAD_DIM: tl.constexpr
 
 
 @triton.jit
-def _attention(qkv, cache_k, cache_v, pos, cos, sin, q_norm, k_norm, partial, lse, qkv_row,
+def _attention(qkv, cache_k, cache_v, pos, cos, sin, q_norm, k_norm, partial, lse, T, qkv_row,
                rope_row, k_row, k_head, k_pos, eps: tl.constexpr, sm_scale: tl.constexpr,
                Q_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-               BLOCK: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
-    # Program (row r, kv head h, split s), from the row's fused q|k|v product: normalises and
-    # rotates the Q_PER_KV query heads of h and its new key together, attends over the split's
-    # share
-    # of the keys at positions <= p, the query's (the cost follows the live length, not the
-    # cache's), and writes the normalised partial output and its log-sum-exp for _merge. The split
-    # whose share holds p first writes the new key and value there; no other program reads
-    # position p.
-    # row, kv head, split
+               BLOCK: tl.constexpr, SPLITS: tl.constexpr, STORE: tl.constexpr,
+               ATTEND: tl.constexpr, PDL: tl.constexpr):
+    # Program (token i, kv head h, split s), token i of cache row i // T at position p, from its
+    # fused q|k|v product: normalises and rotates the Q_PER_KV query heads of h and its new key
+    # together. STORE: the split whose share holds p writes the new key and value there. ATTEND:
+    # attends over the split's share of the keys at positions <= p (the cost follows the live
+    # length, not the cache's), and writes the normalised partial output and its log-sum-exp for
+    # _merge. One token a row stores and attends in one launch (no other program reads position
+    # p); T tokens a row store first, in a launch of their own: token i reads the keys of the
+    # tokens before it.
     _wait_for_previous(PDL)
-    r, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g = tl.arange(0, G)
     d = tl.arange(0, D)
     d_mask = d < HEAD_DIM
-    p = tl.load(pos + r)
+    p = tl.load(pos + i)
     KV_HEADS = tl.num_programs(1)
     H = Q_PER_KV * KV_HEADS
     cos_p = tl.load(cos + p * rope_row + d, mask=d_mask, other=0.0).to(tl.float32)
     sin_p = tl.load(sin + p * rope_row + d, mask=d_mask, other=0.0).to(tl.float32)
-    row = qkv + r * qkv_row
+    row = qkv + i * qkv_row
     # Rows 0 ... Q_PER_KV - 1: kv head h's query heads; row Q_PER_KV: its new key, in the same
-    # pass
-    # (a pass of its own would be a second chain of loads, reductions and barriers before the
+    # pass (a pass of its own would be a second chain of loads, reductions and barriers before the
     # keys are read). The rows past it are 0; no row past Q_PER_KV - 1 has its output stored.
     key_row = g == Q_PER_KV
     rows = tl.where(key_row, H + h, h * Q_PER_KV + g) * HEAD_DIM
@@ -451,48 +557,51 @@ def _attention(qkv, cache_k, cache_v, pos, cos, sin, q_norm, k_norm, partial, ls
     qk = _norm_rope(row, rows, g <= Q_PER_KV, norms, cos_p, sin_p, eps, HEAD_DIM, D)
     # rounded as the model's activations are
     q_and_key = qk.to(cache_k.dtype.element_ty)
-    cache = r * k_row + h * k_head
+    cache = i // T * k_row + h * k_head
     chunk = tl.cdiv(tl.cdiv(p + 1, SPLITS), BLOCK) * BLOCK
     lo = s * chunk
     hi = tl.minimum(lo + chunk, p + 1)
-    if (lo <= p) & (p < hi):
-        # The new key, row Q_PER_KV of q_and_key: every row's pointers aim at position p and the
-        # mask keeps row Q_PER_KV's, so each thread stores its own share of it (no reduction across
-        # threads)
-        new_k_at = cache + p * k_pos + g[:, None] * 0 + d[None, :]
-        tl.store(cache_k + new_k_at, q_and_key, mask=key_row[:, None] & d_mask[None, :])
-        new_v = tl.load(row + (H + KV_HEADS + h) * HEAD_DIM + d, mask=d_mask)
-        tl.store(cache_v + cache + p * k_pos + d, new_v.to(cache_v.dtype.element_ty), mask=d_mask)
-        # The stores are seen by all of this program's threads before the loads
-        tl.debug_barrier()
-    m = tl.full([G], -1e30, tl.float32)
-    # the softmax's denominator so far
-    total = tl.zeros([G], tl.float32)
-    acc = tl.zeros([G, D], tl.float32)
-    for start in range(lo, hi, BLOCK):
-        j = start + tl.arange(0, BLOCK)
-        kv_mask = (j[:, None] < hi) & d_mask[None, :]
-        offsets = cache + j[:, None] * k_pos + d[None, :]
-        kt = tl.load(cache_k + offsets, mask=kv_mask, other=0.0)
-        vt = tl.load(cache_v + offsets, mask=kv_mask, other=0.0)
-        scores = tl.dot(q_and_key, tl.trans(kt), input_precision="ieee") * sm_scale
-        scores = tl.where(j[None, :] < hi, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        e = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        total = total * alpha + tl.sum(e, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(e.to(vt.dtype), vt, input_precision="ieee")
-        m = m_new
-    # the next kernel may launch: this one has its stores left
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    # index into (rows, heads, SPLITS)
-    out = (r * H + h * Q_PER_KV + g) * SPLITS + s
-    normalised = acc / tl.where(total > 0, total, 1.0)[:, None]
-    out_mask = (g[:, None] < Q_PER_KV) & d_mask[None, :]
-    tl.store(partial + out[:, None] * HEAD_DIM + d[None, :], normalised, mask=out_mask)
-    # -inf for an empty split
-    tl.store(lse + out, m + tl.log(total), mask=g < Q_PER_KV)
+    if STORE:
+        if (lo <= p) & (p < hi):
+            # The new key, row Q_PER_KV of q_and_key: every row's pointers aim at position p and
+            # the mask keeps row Q_PER_KV's, so each thread stores its own share of it (no
+            # reduction across threads)
+            new_k_at = cache + p * k_pos + g[:, None] * 0 + d[None, :]
+            tl.store(cache_k + new_k_at, q_and_key, mask=key_row[:, None] & d_mask[None, :])
+            new_v = tl.load(row + (H + KV_HEADS + h) * HEAD_DIM + d, mask=d_mask)
+            new_v_at = cache + p * k_pos + d
+            tl.store(cache_v + new_v_at, new_v.to(cache_v.dtype.element_ty), mask=d_mask)
+            # The stores are seen by all of this program's threads before the loads
+            tl.debug_barrier()
+    if ATTEND:
+        m = tl.full([G], -1e30, tl.float32)
+        # the softmax's denominator so far
+        total = tl.zeros([G], tl.float32)
+        acc = tl.zeros([G, D], tl.float32)
+        for start in range(lo, hi, BLOCK):
+            j = start + tl.arange(0, BLOCK)
+            kv_mask = (j[:, None] < hi) & d_mask[None, :]
+            offsets = cache + j[:, None] * k_pos + d[None, :]
+            kt = tl.load(cache_k + offsets, mask=kv_mask, other=0.0)
+            vt = tl.load(cache_v + offsets, mask=kv_mask, other=0.0)
+            scores = tl.dot(q_and_key, tl.trans(kt), input_precision="ieee") * sm_scale
+            scores = tl.where(j[None, :] < hi, scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            e = tl.exp(scores - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            total = total * alpha + tl.sum(e, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(e.to(vt.dtype), vt, input_precision="ieee")
+            m = m_new
+        # the next kernel may launch: this one has its stores left
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        # index into (tokens, heads, SPLITS)
+        out = (i * H + h * Q_PER_KV + g) * SPLITS + s
+        normalised = acc / tl.where(total > 0, total, 1.0)[:, None]
+        out_mask = (g[:, None] < Q_PER_KV) & d_mask[None, :]
+        tl.store(partial + out[:, None] * HEAD_DIM + d[None, :], normalised, mask=out_mask)
+        # -inf for an empty split
+        tl.store(lse + out, m + tl.log(total), mask=g < Q_PER_KV)
 
 
 @triton.jit
@@ -515,37 +624,43 @@ def _merge(partial, lse, out, HEAD_DIM: tl.constexpr, D: tl.constexpr, SPLITS: t
 def decode_attention(qkv: Tensor, cache_k: Tensor, cache_v: Tensor, positions: Tensor, cos: Tensor,
                      sin: Tensor, q_norm: Tensor, k_norm: Tensor, eps: float, heads: int,
                      kv_len: int) -> Tensor:
-    """One query per row: qkv (R, 1, (heads + 2 kv_heads) x head_dim), the fused product, at
-    positions (R,) of cache rows 0 ... R - 1 of cache_k / cache_v (slots, kv_heads, capacity,
-    head_dim), which get the new key and value there. cos / sin: the RoPE tables (positions,
-    head_dim) of model.rope_tables; q_norm / k_norm: the RMSNorm
-    weights. Attends to the keys at positions <= the query's, split into programs per (row, kv head)
-    so that one row still fills the GPU; returns (R, heads, head_dim). kv_len bounds the positions
-    (the attended length) and sets the number of splits: a block of keys each (32 keys, or 64
-    past 512) until there are 32, then more blocks each; any kv_len gives the same result."""
+    """T queries a row: qkv (R x T, 1, (heads + 2 kv_heads) x head_dim), the fused product, at
+    positions (R, T) of cache rows 0 ... R - 1 of cache_k / cache_v (slots, kv_heads, capacity,
+    head_dim), which get the new keys and values there. cos / sin: the RoPE tables (positions,
+    head_dim) of model.rope_tables; q_norm / k_norm: the RMSNorm weights. Each query attends to
+    its row's keys at positions <= its own, split into programs per (query, kv head) so that one
+    query still fills the GPU; returns (R x T, heads, head_dim). kv_len bounds the positions (the
+    attended length) and sets the number of splits: a block of keys each (32 keys, or 64 past
+    512) until there are 32, then more blocks each; any kv_len gives the same result."""
     # Keys a block: 32 up to 512 keys (short contexts gain from more, shorter programs), then 64
     # (fewer iterations a split, once the splits reach 32); the best of sweeps (bench/RESULTS.md)
     block = 32 if kv_len <= 512 else 64
     # A power of two: the merge
     splits = min(32, triton.next_power_of_2(triton.cdiv(kv_len, block)))
-    rows = qkv.shape[0]
+    tokens, T = positions.numel(), positions.shape[1]
     _, kv_heads, _, head_dim = cache_k.shape
-    partial = torch.empty(rows, heads, splits, head_dim, dtype=torch.float32, device=qkv.device)
-    lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=qkv.device)
+    partial = torch.empty(tokens, heads, splits, head_dim, dtype=torch.float32, device=qkv.device)
+    lse = torch.empty(tokens, heads, splits, dtype=torch.float32, device=qkv.device)
     # tl.dot wants blocks of at least 16
     D = max(16, triton.next_power_of_2(head_dim))
     q_per_kv = heads // kv_heads
     k_row, k_head, k_pos, _ = cache_k.stride()
     # G rows: the query heads of a kv head and its key, at least 16 (tl.dot). 8 warps: faster than
     # 4 on the H200 (bench/RESULTS.md).
-    _attention[(rows, kv_heads, splits)](
-        qkv, cache_k, cache_v, positions, cos, sin, q_norm, k_norm, partial, lse, qkv.stride(0),
-        cos.stride(0), k_row, k_head, k_pos, eps=eps, sm_scale=head_dim ** -0.5, Q_PER_KV=q_per_kv,
-        HEAD_DIM=head_dim, G=max(16, triton.next_power_of_2(q_per_kv + 1)), D=D, BLOCK=block,
-        SPLITS=splits, num_warps=8, **dependent_launch(qkv))
-    out = torch.empty(rows, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    _merge[(rows * heads,)](partial, lse, out, HEAD_DIM=head_dim, D=D, SPLITS=splits,
-                            **dependent_launch(qkv))
+    args = (qkv, cache_k, cache_v, positions.flatten(), cos, sin, q_norm, k_norm, partial, lse, T,
+            qkv.stride(0), cos.stride(0), k_row, k_head, k_pos)
+    sizes = dict(eps=eps, sm_scale=head_dim ** -0.5, Q_PER_KV=q_per_kv, HEAD_DIM=head_dim,
+                 G=max(16, triton.next_power_of_2(q_per_kv + 1)), D=D, BLOCK=block, num_warps=8,
+                 **dependent_launch(qkv))
+    alone = T == 1
+    if not alone:
+        # every new key and value in place before any query reads them: one split a query
+        _attention[(tokens, kv_heads, 1)](*args, SPLITS=1, STORE=True, ATTEND=False, **sizes)
+    _attention[(tokens, kv_heads, splits)](*args, SPLITS=splits, STORE=alone, ATTEND=True,
+                                           **sizes)
+    out = torch.empty(tokens, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    _merge[(tokens * heads,)](partial, lse, out, HEAD_DIM=head_dim, D=D, SPLITS=splits,
+                              **dependent_launch(qkv))
     return out
 
 

@@ -308,13 +308,13 @@ def load(path, slots=1, capacity=256, dtype=torch.float32, device="cpu"):
 
 def forward(model, tokens, start=0, use_kernels=False):
     """Runs tokens (list) through cache row 0 from position `start`; logits (T, vocab).
-    use_kernels: one token through the fast path's forward_one_token instead (row 0)."""
+    use_kernels: one token through the fast path's forward_step instead (row 0)."""
     t = torch.tensor([tokens], device=model.norm.weight.device)
     pos = torch.arange(start, start + len(tokens), device=t.device)[None]
     kv_len = start + len(tokens)
     with torch.no_grad():
         if use_kernels:
-            return fast.forward_one_token(model, t, pos, kv_len)[0]
+            return fast.forward_step(model, t, pos, kv_len)[0]
         return model(t, pos, kv_len)[0]
 
 
@@ -1895,17 +1895,18 @@ MODES = {"eager": {}, "compile": dict(compile=True), "graph": dict(cuda_graph=Tr
 
 
 @needs_cuda
-@pytest.mark.parametrize("prompts", [[[1, 2, 3, 4]], [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11]]],
-                         ids=["batch1", "batch2"])
+@pytest.mark.parametrize("prompts", [[[1, 2, 3, 4]], [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11],
+                                                    [12, 13], [14, 15, 16, 17, 18, 19]]],
+                         ids=["batch1", "batch4"])
 @pytest.mark.parametrize("checkpoint,sampling",
                          [("tiny", GREEDY), ("tiny_moe", GREEDY),
                           ("tiny", G.SamplingParams(temperature=1.0, top_k=50))],
                          ids=["dense", "moe", "dense-sampled"])
 def test_cuda_modes_identical_tokens(checkpoint, prompts, sampling, request):
     """fp32: every mode gives eager's tokens, greedy and sampled with one seed, from a prefill
-    padded to its bucket (64) and graphed, or unpadded and eager. Batch 1 decodes with
-    the Triton kernels, batch 2 with PyTorch's ops; 300 steps cross the attended lengths 64, 128,
-    256 and 512 (one graph each)."""
+    padded to its bucket (64) and graphed, or unpadded and eager. Both batches decode with the
+    Triton kernels, batch 4's products of several tokens on tensor cores; 300 steps cross the
+    attended lengths 64, 128, 256 and 512 (one graph each)."""
     path = request.getfixturevalue(checkpoint)
     runs = {}
     for mode, flags in MODES.items():
@@ -2989,12 +2990,15 @@ def assert_close(got, want, tol, what):
 @pytest.mark.parametrize("device,dtype,tol", KERNEL_RUNS)
 # K above the kernel's block: a ragged last block
 @pytest.mark.parametrize("N,K", [(40, 48), (44, 1104)])
-def test_kernel_gemv_matches_reference_ops(device, dtype, tol, N, K):
+# one token (_gemv), several (_rows_product)
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_kernel_gemv_matches_reference_ops(device, dtype, tol, N, K, tokens):
     """The product, alone and with what it fuses (the RMSNorm before it, the residual or the SiLU
     gate after it), as PyTorch's ops make it: of float weights, and of quantize.py's int8 and int4
-    layers (in groups of 16 columns)."""
+    layers (in groups of 16 columns); for one token and for several."""
     torch.manual_seed(0)
-    x, w, res = torch.randn(1, 1, K), torch.randn(N, K) / K ** 0.5, torch.randn(1, 1, N)
+    x, w = torch.randn(tokens, 1, K), torch.randn(N, K) / K ** 0.5
+    res = torch.randn(tokens, 1, N)
     norm = torch.nn.RMSNorm(K, 1e-6)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
@@ -3007,7 +3011,7 @@ def test_kernel_gemv_matches_reference_ops(device, dtype, tol, N, K):
                      "norm+res")
         # w as a gate_up_proj: rows i and N / 2 + i are gate i and up i
         got = fast.gemv(x, w, None, norm.weight, 1e-6, True)
-        assert got.shape == (1, 1, N // 2)
+        assert got.shape == (tokens, 1, N // 2)
         assert_close(got, silu_gate(lin(norm(x))), tol, "norm+gated")
         for mode, group_size in (("int8", None), ("int4", 16)):
             layer = quantized_linear(w.float(), group_size).to(device)
@@ -3044,16 +3048,18 @@ def quantized_linear(weight, group_size):
 @pytest.mark.parametrize("device,dtype,tol", KERNEL_RUNS)
 @pytest.mark.parametrize("mode,norm_topk_prob,top_k",
                          [(None, True, 3), ("int8", False, 3), ("int4", True, 3), (None, True, 1)])
+@pytest.mark.parametrize("tokens", [1, 2])
 def test_kernel_gemv_of_picked_experts_matches_reference_ops(device, dtype, tol, mode,
-                                                             norm_topk_prob, top_k):
-    """A MoE layer's two products, the experts picked by the kernels from the router's logits:
-    gate-up of each pick (RMSNorm and the SiLU gate fused), and down of each pick's input,
+                                                             norm_topk_prob, top_k, tokens):
+    """A MoE layer's two products, the experts picked by the kernels from each token's router
+    logits: gate-up of each pick (RMSNorm and the SiLU gate fused), and down of each pick's input,
     weighted by its routing weight and summed with the residual. 6 experts (not a power of two), 3
-    picks, or 1; float weights, or quantize.py's int8 or int4 (in groups of 8 columns)."""
+    picks, or 1; float weights, or quantize.py's int8 or int4 (in groups of 8 columns); one token
+    or two."""
     torch.manual_seed(0)
     E, N, K = 6, 40, 48
-    x = torch.randn(1, 1, K, device=device, dtype=dtype)
-    logits = torch.randn(E, device=device, dtype=dtype) * 3
+    x = torch.randn(tokens, 1, K, device=device, dtype=dtype)
+    logits = torch.randn(tokens, E, device=device, dtype=dtype) * 3
     norm = torch.nn.RMSNorm(K, 1e-6).to(device, dtype)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
@@ -3068,23 +3074,26 @@ def test_kernel_gemv_of_picked_experts_matches_reference_ops(device, dtype, tol,
             held = types.SimpleNamespace(**Q.quantize("w", w, group_size))
             products.append((fast.weights(held, "w"), Q.dequantized(held, "w", torch.float)))
     gate_up, down = products
+    # (tokens, top_k) each token's picks and their weights
     weights, picked = logits.softmax(-1, dtype=torch.float).topk(top_k)
     if norm_topk_prob:
-        weights = weights / weights.sum()
-    res = torch.randn(1, 1, K, device=device, dtype=dtype)
+        weights = weights / weights.sum(-1, keepdim=True)
+    res = torch.randn(tokens, 1, K, device=device, dtype=dtype)
     routing = dict(router=logits, top_k=top_k, norm_topk_prob=norm_topk_prob)
     with torch.no_grad():
         h = fast.product(gate_up[0], x, norm=norm, gated=True, **routing)
-        # (top_k, 2 x N): each pick's gate and up, rounded as the product's output
-        gate_ups = torch.einsum("k,enk->en", norm(x)[0, 0].float(), gate_up[1][picked]).to(dtype)
-        assert h.shape == (top_k, 1, N)
-        h = h[:, 0]
-        assert_close(h, silu_gate(gate_ups.float()), tol, "picked gate-up")
-        got = fast.product(down[0], h, residual=res, routed=True, **routing)
-        terms = torch.einsum("en,ekn->ek", h.float(), down[1][picked])
-        assert_close(got, res + (terms * weights[:, None]).sum(0), tol, "routed down")
+        # (tokens, top_k, 2 x N): each pick's gate and up, rounded as the product's output
+        gate_ups = torch.einsum("tk,tenk->ten", norm(x)[:, 0].float(), gate_up[1][picked])
+        assert h.shape == (tokens * top_k, 1, N)
+        h = h.view(tokens, top_k, N)
+        assert_close(h, silu_gate(gate_ups.to(dtype).float()), tol, "picked gate-up")
+        got = fast.product(down[0], h.view(-1, 1, N), residual=res, routed=True, **routing)
+        terms = torch.einsum("ten,tekn->tek", h.float(), down[1][picked])
+        want = res + (terms * weights[..., None]).sum(1, keepdim=True)
+        assert_close(got, want, tol, "routed down")
     weight, scale, offset = down[0]
-    args = (h, weight, scale, None, 0.0, False, res, logits, top_k, norm_topk_prob, True, offset)
+    args = (h.view(-1, 1, N), weight, scale, None, 0.0, False, res, logits, top_k, norm_topk_prob,
+            True, offset)
     torch.library.opcheck(torch.ops.qwen3_fast.gemv, args)
 
 
@@ -3125,8 +3134,8 @@ def test_kernel_decode_attention_matches_reference_ops(device, dtype, tol, heads
     mask = (torch.arange(capacity, device=device) <= positions[:, None])[:, None, None]
     want = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2), want_k, want_v, attn_mask=mask, enable_gqa=True)[:, :, 0]
-    got = fast.decode_attention(qkv, cache_k, cache_v, positions, cos_table, sin_table, q_norm,
-                                k_norm, eps, heads, kv_len)
+    got = fast.decode_attention(qkv, cache_k, cache_v, positions[:, None], cos_table, sin_table,
+                                q_norm, k_norm, eps, heads, kv_len)
     assert_close(got, want, tol, "attention")
     written = torch.zeros_like(cache_k, dtype=torch.bool)
     written[rows, :, positions] = True
@@ -3184,22 +3193,28 @@ def test_the_top_k_kernel_draws_where_it_takes_the_filter(tiny, monkeypatch):
     assert not kernel(temperature=0.7, top_k=fast.MAX_TOP_K + 1)
 
 
-@pytest.mark.parametrize("device,dtype,tol", KERNEL_RUNS[:2])
-@pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe", "tiny_moe_int4"])
-def test_model_with_kernels_matches_reference_ops(checkpoint, device, dtype, tol, request):
-    """forward_one_token's glue around the kernels (cache views, strides, positions, expert ids): a
+# The interpreter runs MoE's programs (a token's pick each) slowly: the dense glue alone there
+# (MoE's is the steps' test's)
+GLUE_RUNS = [pytest.param("cpu", "tiny", marks=in_interpreter, id="interpreter-tiny")] + [
+    pytest.param("cuda", checkpoint, marks=needs_cuda, id=f"cuda-{checkpoint}")
+    for checkpoint in ("tiny", "tiny_moe", "tiny_moe_int4")]
+
+
+@pytest.mark.parametrize("device,checkpoint", GLUE_RUNS)
+def test_model_with_kernels_matches_reference_ops(checkpoint, device, request):
+    """forward_step's glue around the kernels (cache views, strides, positions, expert ids): a
     batch-1 greedy decode with the kernels gives the logits, tokens and caches of one without,
     across the 256 -> 512 attended length (fp32)."""
     tiny = request.getfixturevalue(checkpoint)
 
     def run(use_kernels):
         gen = generator(tiny, capacity=320, device=device, use_kernels=use_kernels)
-        logits, forward_one_token = [], gen.forward_one_token
+        logits, forward_step = [], gen.forward_step
 
         def kept(*args):  # each decode step's logits
-            logits.append(forward_one_token(*args))
+            logits.append(forward_step(*args))
             return logits[-1]
-        gen.forward_one_token = kept
+        gen.forward_step = kept
         # Two decode steps: at position 255 (attending to 256) and at 256 (to 512)
         tokens = gen.generate([list(range(1, 256))], max_new=3, stop_ids=set())[0][0]
         cache = [c for layer in gen.model.layers for c in layer.self_attn.kv_cache.buffers()]
@@ -3211,6 +3226,44 @@ def test_model_with_kernels_matches_reference_ops(checkpoint, device, dtype, tol
     assert tokens == ref_tokens and len(logits) == 2
     assert torch.allclose(logits, ref_logits, atol=1e-4)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(cache, ref_cache, strict=True))
+
+
+# (rows, tokens a row) of the fast path's steps: a draft's tokens checked, a batch, both, the most
+# rows, the most tokens of a row
+STEPS = [(1, 2), (2, 1), (4, 4), (16, 1), (1, 8)]
+
+
+@pytest.mark.parametrize("device,dtype,tol", KERNEL_RUNS[:2])
+@pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe", "tiny_moe_int4"])
+def test_fast_steps_of_several_tokens_match_the_model(checkpoint, device, dtype, tol, request):
+    """The fast path's step of R rows of T new tokens each, after histories of different lengths
+    in each row (stale keys past them): model.py's logits, keys and values, at each (R, T) of
+    STEPS; dense and MoE, float and int4 (int8's products are the gemv test's)."""
+    model = load(request.getfixturevalue(checkpoint), 16, 64, dtype, device)
+    caches = [layer.self_attn.kv_cache for layer in model.layers]
+    # The interpreter runs MoE's programs (a token's pick each) slowly: two steps there
+    steps = STEPS[:2] if INTERPRETED and checkpoint != "tiny" else STEPS
+    torch.manual_seed(0)
+    for R, T in steps:
+        history = torch.randint(VOCAB, (R, 40), device=device)
+        # row r's new tokens at 20 + 2r ...: over the history's stale keys
+        starts = 20 + 2 * torch.arange(R, device=device)[:, None]
+        positions = starts + torch.arange(T, device=device)
+        tokens = torch.randint(VOCAB, (R, T), device=device)
+        with torch.no_grad():
+            model(history, torch.arange(40, device=device).expand(R, 40), 40)
+            kept = [(cache.k.clone(), cache.v.clone()) for cache in caches]
+            want = model(tokens, positions, 64)
+            want_caches = [(cache.k.clone(), cache.v.clone()) for cache in caches]
+            for cache, (k, v) in zip(caches, kept, strict=True):
+                cache.k.copy_(k)
+                cache.v.copy_(v)
+            got = fast.forward_step(model, tokens, positions, 64)
+        assert got.shape == (R, T, VOCAB)
+        assert_close(got, want, tol, f"{R}x{T} logits")
+        for cache, (k, v) in zip(caches, want_caches, strict=True):
+            assert_close(cache.k, k, tol, f"{R}x{T} keys")
+            assert_close(cache.v, v, tol, f"{R}x{T} values")
 
 
 def interpreter_skip_reason() -> str | None:
@@ -3285,7 +3338,7 @@ def test_code_lines_counts_as_cloc_does():
 
 
 # the optional files' caps; the card's three files: < 1,000
-BUDGET = {"qwen3_triton.py": 440, "quantize.py": 165, "chat.py": 110, "tp.py": 120}
+BUDGET = {"qwen3_triton.py": 500, "quantize.py": 165, "chat.py": 110, "tp.py": 120}
 CARD_FILES = ["model.py", "generate.py", "convert_hf_checkpoint.py"]
 
 

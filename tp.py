@@ -146,7 +146,7 @@ class TensorParallel:
     def apply(self, model: Transformer) -> None:
         """The all-reduces. PyTorch's path: each block's attention and MLP output is a share of the
         sum, which the all-reduce completes before the block adds its residual. The fast path
-        (qwen3_triton.forward_one_token reads model.tensor_parallel): o_proj's and down_proj's
+        (qwen3_triton.forward_step reads model.tensor_parallel): o_proj's and down_proj's
         kernels add the residual on rank 0 alone, then the all-reduce sums the shares. One rank
         holds the whole sum: it needs none."""
         if self.world == 1:

@@ -21,6 +21,8 @@ built on the GPU.
     python bench/bench.py load --checkpoint DIR     # generate.load against a plain safetensors load
     python bench/bench.py write-checkpoint --size 30B-A3B --checkpoint DIR --tokenizer-from DIR
     python bench/bench.py bandwidth                      # the decode ceiling's denominator
+    python bench/bench.py step --size 8B --batch 1 --lengths 1,2,5,8,16 --history 300
+                              # the fast path's step of --batch rows of T tokens, graphed
 
 Decode tok/s comes from two generation lengths in one process, (n2 - n1) / (t2 - t1), which cancels
 prefill and every fixed cost; the best of --repeats. The peer is transformers' Qwen3ForCausalLM of
@@ -257,6 +259,45 @@ def peer_decode(a: argparse.Namespace) -> dict:
             "decode_tok_s": round(max(rates), 1), "all": [round(r, 1) for r in rates]}
 
 
+def step(a: argparse.Namespace) -> list:
+    """The fast path's forward of a step of --batch rows of T new tokens each, T in --lengths (R x
+    T at most qwen3_triton.STEP_TOKENS), after --history tokens a row: a draft's tokens checked, a
+    chat's short turn, a batch. ms a step in a CUDA graph (the best of 20 replays), its ratio to
+    a one-token step at the same rows, and the ceiling (every weight read once at the read
+    bandwidth; MoE: the picked experts of one token, a floor)."""
+    import qwen3_triton as fast
+    model = random_model(a.size, a.quant)
+    model.setup_cache(a.batch, a.cache)
+    ceiling_ms = weight_bytes(model) / bandwidth() / 1e6
+
+    def timed(tokens_a_row: int) -> float:
+        tokens = torch.randint(0, VOCAB, (a.batch, tokens_a_row), device="cuda")
+        positions = a.history + torch.arange(tokens_a_row, device="cuda").expand(a.batch, -1)
+        kv_len = G.bucket(a.history + tokens_a_row, a.cache)
+        with torch.no_grad():
+            fast.forward_step(model, tokens, positions, kv_len)  # Triton compiles
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fast.forward_step(model, tokens, positions, kv_len)
+        times = []
+        for _ in range(20):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return min(times)
+    one_ms = timed(1)
+    rows = []
+    for tokens_a_row in (int(n) for n in a.lengths.split(",")):
+        ms = timed(tokens_a_row)
+        rows.append({"size": a.size, "quant": a.quant, "rows": a.batch, "tokens": tokens_a_row,
+                     "history": a.history, "step_ms": round(ms, 3),
+                     "to_one_token": round(ms / one_ms, 2), "ceiling_ms": round(ceiling_ms, 3)})
+    return rows
+
+
 def ttft(a: argparse.Namespace) -> list:
     """Time to first token: the prefill of a prompt of each of --lengths tokens and its first token,
     best of 5 after a warm-up (which compiles and captures), for each of --modes; with --batch N, N
@@ -439,7 +480,7 @@ def write_checkpoint(a: argparse.Namespace) -> list:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("what", choices=["decode", "ttft", "first-text", "load", "write-checkpoint",
-                                     "bandwidth"])
+                                     "bandwidth", "step"])
     ap.add_argument("--size", default="0.6B", choices=list(PRESETS))
     ap.add_argument("--modes", default="compile", help=f"comma-separated: {', '.join(MODES)}")
     ap.add_argument("--batch", type=int, default=1)
@@ -472,6 +513,8 @@ def main():
         rows = [{"read_GB_s": round(bandwidth(), 1), "gpu": torch.cuda.get_device_name()}]
     elif a.what == "ttft":
         rows = ttft(a)
+    elif a.what == "step":
+        rows = step(a)
     elif a.what == "first-text":
         rows = first_text(a)
     elif a.what == "load":
