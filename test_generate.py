@@ -3021,6 +3021,10 @@ def test_kernel_gemv_matches_reference_ops(device, dtype, tol, N, K, tokens):
             layer = quantized_linear(w.float() * 3, group_size).to(device)
             got = fast.product(fast.weights(layer), x, norm=norm, gated=True)
             assert_close(got, silu_gate(layer(norm(x))), tol, f"{mode} norm+gated")
+    # The op's schema and fake output: once a shape, at several tokens (one token's kernel is
+    # slow in the interpreter, and the op checked is the same)
+    if tokens == 1:
+        return
     torch.library.opcheck(torch.ops.qwen3_fast.gemv,
                           (x, w, None, norm.weight.detach(), 1e-6, False, res))
     weight, scale, offset = fast.weights(layer)
@@ -3094,7 +3098,9 @@ def test_kernel_gemv_of_picked_experts_matches_reference_ops(device, dtype, tol,
     weight, scale, offset = down[0]
     args = (h.view(-1, 1, N), weight, scale, None, 0.0, False, res, logits, top_k, norm_topk_prob,
             True, offset)
-    torch.library.opcheck(torch.ops.qwen3_fast.gemv, args)
+    # The op's schema and fake output at two tokens (one is their case)
+    if tokens == 2:
+        torch.library.opcheck(torch.ops.qwen3_fast.gemv, args)
 
 
 @pytest.mark.parametrize("device,dtype,tol", KERNEL_RUNS)
