@@ -27,6 +27,7 @@ import convert_hf_checkpoint as convert
 import generate as G
 import model as M
 import quantize as Q
+import speculative as S
 from convert_hf_checkpoint import UserError
 from model import ModelArgs
 from quantize import quantize_int8
@@ -3307,6 +3308,86 @@ def test_kernels_in_triton_interpreter(request, started):
     assert passed and int(passed.group(1)) >= max(here, 1), summary
 
 
+# ---------------------------------------------------------------- speculative decoding
+
+@pytest.mark.parametrize("params", [G.SamplingParams(temperature=1.0),
+                                    G.SamplingParams(temperature=0.7, top_k=3),
+                                    G.SamplingParams(temperature=1.3, top_p=0.8)],
+                         ids=["temperature", "top-k", "top-p"])
+def test_speculative_rounds_draw_the_targets_distribution(params):
+    """Sampled (greedy's rounds are the next test's), accept() 40,000 times over one round's
+    distributions (6 tokens, 3 drafted): at each
+    position, among the rows that keep a token there, the tokens are distributed as the target's
+    filtered distribution p (total variation under 0.03), though the draft's q is far from it."""
+    torch.manual_seed(0)
+    rows, drafts, vocab = 40_000, 3, 6
+    target_logits = (torch.randn(1, drafts + 1, vocab) * 1.5).expand(rows, -1, -1)
+    draft_logits = target_logits[:, :drafts] + torch.randn(1, drafts, vocab)
+    q = S.probabilities(draft_logits, params)
+    drafted = torch.stack([G.sample(draft_logits[:, i], params) for i in range(drafts)], 1)
+    tokens, kept = S.accept(target_logits, drafted, q, params)
+    p = S.probabilities(target_logits[0], params)
+    assert ((1 <= kept) & (kept <= drafts + 1)).all()
+    for i in range(drafts + 1):
+        there = tokens[kept > i, i]
+        assert len(there) > 5_000, (i, len(there))
+        drawn = torch.bincount(there, minlength=vocab).float() / len(there)
+        assert (drawn - p[i]).abs().sum() / 2 < 0.03, (i, drawn, p[i])
+    # The draft alone would not pass
+    assert (q[0] - p[:drafts]).abs().sum(-1).max() / 2 > 0.1
+
+
+@pytest.mark.parametrize("target,draft", [("tiny", "tiny"), ("tiny_moe", "tiny"),
+                                          ("tiny", "tiny_moe")])
+def test_speculative_greedy_is_the_targets_own(target, draft, request):
+    """Greedy rounds give the target's plain greedy tokens (fp32), whatever the draft: itself
+    (every draft accepted), or another model (nearly none); 1 and 4 drafted tokens a round."""
+    target, draft = request.getfixturevalue(target), request.getfixturevalue(draft)
+    prompt = [1, 2, 3, 4, 5]
+    plain = greedy(target, [prompt], max_new=40, capacity=128)[0]
+    for k in (1, 4):
+        spec = S.Speculator(generator(target, capacity=128), generator(draft, capacity=128),
+                            GREEDY, k=k)
+        tokens, stats = spec.generate(prompt, max_new=40, stop_ids=set())
+        assert tokens == plain
+        assert stats.kept >= 39 and (stats.acceptance == 1.0) == (draft == target)
+
+
+def test_speculative_sampled_with_itself_accepts_every_draft(tiny):
+    """Sampled, a draft that is the target itself is always accepted (p / q = 1, to the rounding
+    of two forwards); the text stops at a stop token as generate's does."""
+    sampling = G.SamplingParams(temperature=1.0, top_k=50)
+    torch.manual_seed(0)
+    spec = S.Speculator(generator(tiny, capacity=128, sampling=sampling),
+                        generator(tiny, capacity=128, sampling=sampling), sampling, k=3)
+    tokens, stats = spec.generate([1, 2, 3], max_new=40, stop_ids=set())
+    assert len(tokens) == 40 and stats.acceptance > 0.99
+    stop = tokens[5]
+    torch.manual_seed(0)
+    spec.target.model.setup_cache(1, 129)
+    cut, _ = spec.generate([1, 2, 3], max_new=40, stop_ids={stop})
+    assert cut == tokens[:tokens.index(stop)]
+
+
+def test_speculative_refuses_what_cannot_pair(tiny):
+    """A draft of another vocabulary, a k out of 1 ... 15, a capacity unlike the target's, a
+    prompt that with max_new and a round does not fit: one line each."""
+    target = generator(tiny, capacity=64)
+    args = ModelArgs(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=300)
+    other = G.Generator(M.Transformer(args), batch=1, capacity=64, sampling=GREEDY)
+    with pytest.raises(UserError, match="a draft of 300 tokens for a target of 512"):
+        S.Speculator(target, other, GREEDY)
+    for k in (0, 16, 2.0):
+        with pytest.raises(UserError, match="1 to 15 drafted tokens"):
+            S.Speculator(target, generator(tiny, capacity=64), GREEDY, k=k)
+    with pytest.raises(UserError, match="capacity must be the target's"):
+        S.Speculator(target, generator(tiny, capacity=32), GREEDY)
+    spec = S.Speculator(target, generator(tiny, capacity=64), GREEDY, k=4)
+    with pytest.raises(UserError, match="must fit the capacity"):
+        spec.generate([1] * 20, max_new=40, stop_ids=set())
+
+
 # ---------------------------------------------------------------- the line budget
 
 def code_lines(text: str) -> int:
@@ -3344,7 +3425,8 @@ def test_code_lines_counts_as_cloc_does():
 
 
 # the optional files' caps; the card's three files: < 1,000
-BUDGET = {"qwen3_triton.py": 500, "quantize.py": 165, "chat.py": 110, "tp.py": 120}
+BUDGET = {"qwen3_triton.py": 500, "quantize.py": 165, "chat.py": 110, "tp.py": 120,
+          "speculative.py": 120}
 CARD_FILES = ["model.py", "generate.py", "convert_hf_checkpoint.py"]
 
 
