@@ -70,12 +70,16 @@ class SpeculationStats:
     rounds: int
     # Tokens each round kept, summed over the rounds: the accepted drafts and the target's
     kept: int
-    k: int
+    # The rounds that accepted all k drafts
+    full: int
 
     @property
     def acceptance(self) -> float:
-        """The fraction of drafted tokens the target accepted."""
-        return (self.kept - self.rounds) / max(1, self.rounds * self.k)
+        """The fraction of the drafted tokens the target checked that it accepted: a round checks
+        its drafts up to the first it rejects (a draft's chance of acceptance, as the papers
+        measure it: a round keeps (1 - a^(k + 1)) / (1 - a) tokens on average)."""
+        accepted = self.kept - self.rounds
+        return accepted / max(1, accepted + self.rounds - self.full)
 
 
 class Speculator:
@@ -130,18 +134,21 @@ class Speculator:
         self.draft.prefill([prompt])
         start = len(prompt)
         produced, rounds = 1, 0
-        kept = torch.zeros(1, dtype=torch.long, device=self.target.state.tokens.device)
+        # (2,) the tokens the rounds kept, and the rounds that accepted every draft
+        counts = torch.zeros(2, dtype=torch.long, device=self.target.state.tokens.device)
         while True:
             new = self.target.state.sequences[0, start:start + produced].tolist()
             ends = [i for i, token in enumerate(new) if token in stop_ids]
             if ends or produced >= max_new:
                 new = new[:ends[0]] if ends else new[:max_new]
-                return new, SpeculationStats(rounds, int(kept.sum()), self.k)
+                kept, full = counts.tolist()
+                return new, SpeculationStats(rounds, kept, full)
             # Rounds of at least one token each: none past max_new + k + 1 tokens
             count = max(1, min(check_every, max_new - produced) // (self.k + 1))
             # The attended length: every position these rounds may write
             kv_len = bucket(start + produced + count * (self.k + 1), self.target.capacity)
             for _ in range(count):
-                kept += self.round(kv_len)
+                kept = self.round(kv_len)
+                counts += torch.cat([kept, kept == self.k + 1])
             rounds += count
             produced = int(self.target.state.positions[0, 0]) - start + 1
