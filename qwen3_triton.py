@@ -1,12 +1,13 @@
 """The Triton fast path for steps of up to 16 tokens on CUDA (a decode step of up to 16 rows, a
-row's few new tokens): model.py's forward in six kernels a dense layer, and the top-k / top-p draw
-of generate.sample in two launches.
+row's few new tokens): model.py's forward in six kernels a dense layer (seven with several tokens a
+row), and the top-k / top-p draw of generate.sample in two launches.
 
 Such a step reads every weight once and is bound by its bandwidth and its many small kernels (each
 a launch gap and a ramp-up, even in a CUDA graph). So each product here is one kernel with its
 neighbours fused in: the RMSNorm before it, the SiLU gate, int8 or int4 dequantisation, the residual
 after it, and for MoE the router's picks and weights; one token's is a matrix-vector product,
-several tokens' one on tensor cores that reads each weight once for all of them. Attention is one
+several tokens' one on tensor cores that reads each weight once for 16 of them (MoE experts: once
+for each token that picks them). Attention is one
 split-KV kernel a query, with the q/k norms, RoPE and the cache write fused in, and a merge. On
 Hopper GPUs each kernel launches while the one before it finishes (programmatic dependent launch).
 Nothing here is needed: generate.py runs PyTorch's ops where this file, or Triton, is missing;
@@ -21,7 +22,7 @@ from model import MoE, Transformer
 
 
 # The most tokens a step of the fast path is for, rows x tokens a row: its products read each
-# block of weights once for 16 tokens. Larger steps run PyTorch's ops.
+# block of weights once for 16 tokens. The Generator runs larger steps with PyTorch's ops.
 STEP_TOKENS = 16
 
 
@@ -34,7 +35,7 @@ def forward_step(model: Transformer, tokens: Tensor, positions: Tensor, kv_len: 
     ranks' shares."""
     split = getattr(model, "tensor_parallel", None)
     # (R x T, 1, hidden)
-    x = model.embed_tokens(tokens.view(-1, 1))
+    x = model.embed_tokens(tokens.reshape(-1, 1))
     for layer in model.layers:
         attn = layer.self_attn
         qkv = product(weights(attn.qkv_proj), x, norm=layer.input_layernorm)
@@ -70,10 +71,10 @@ def weights(module: torch.nn.Module, name: str = "weight") -> tuple:
 
 def product(proj: tuple, x: Tensor, norm: torch.nn.RMSNorm | None = None,
             residual: Tensor | None = None, split=None, **options) -> Tensor:
-    """x times proj (from `weights`), plus residual, as one gemv; with `norm`, of norm(x),
-    normalised as x is read. With `split` (tp.py's: the product's input is split over the ranks),
-    each rank's product is a share of the sum: the residual is added on one rank alone, then an
-    all-reduce sums the shares."""
+    """x (tokens, 1, K) times proj (from `weights`), plus residual, by gemv; with `norm`, of
+    norm(x), normalised as x is read. With `split` (tp.py's: the product's input is split over
+    the ranks), each rank's product is a share of the sum: the residual is added on one rank
+    alone, then an all-reduce sums the shares."""
     weight, scale, offset = proj
     options.update(scale=scale, offset=offset)
     if norm is not None:
@@ -196,7 +197,7 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, row_words, x_row,
     else:
         n = tl.program_id(0) * BN + tl.arange(0, BN)
     j, r = tl.program_id(1), tl.program_id(2)
-    out_row = r * TOP_K + j
+    out_row = r * max(TOP_K, 1) + j
     # GROUP_WORDS words per int4 group, else 1; FIELD_BITS bits a field
     K = row_words * PACK
     GROUP_WORDS: tl.constexpr = max(GROUP_SIZE // PACK, 1)
@@ -276,7 +277,7 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, row_words, x_row,
     if ROUTED:
         y = y * tl.sum(tl.where(pick, weights, 0.0), axis=0)
     if RES:
-        y = y + tl.load(res + n, mask=n < N, other=0.0).to(tl.float32)
+        y = y + tl.load(res + r * N + n, mask=n < N, other=0.0).to(tl.float32)
     # the output rows, of `count`: the weight rows, or their pairs
     rows, count = n, N
     if GATED:
@@ -607,7 +608,7 @@ def _attention(qkv, cache_k, cache_v, pos, cos, sin, q_norm, k_norm, partial, ls
 @triton.jit
 def _merge(partial, lse, out, HEAD_DIM: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
            PDL: tl.constexpr):
-    # One (row, head): the splits' outputs weighted by exp(lse) over their sum, which is exact
+    # One (token, head): the splits' outputs weighted by exp(lse) over their sum, which is exact
     _wait_for_previous(PDL)
     i = tl.program_id(0)
     s = tl.arange(0, SPLITS)

@@ -1,5 +1,5 @@
 """Speculative decoding: a draft model proposes K tokens a round, the target checks them in one
-step of K + 1 tokens, and each row keeps the longest prefix the target accepts plus one token of
+step of K + 1 tokens, and the row keeps the longest prefix the target accepts plus one token of
 the target's. Exact (Leviathan et al. 2023; Chen et al. 2023): greedy, the target's own greedy
 tokens; sampled, draws from the target's distribution (after its temperature, top-k and top-p).
 A round never waits for the host: acceptance is decided on the device, and the positions past a
@@ -26,6 +26,9 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         return F.one_hot(logits.argmax(-1), vocab).float()
     scores = logits.float().flatten(0, -2)
     count = min(params.top_k or vocab, vocab)
+    # No filter: every token, no sort
+    if count == vocab and params.top_p == 1:
+        return (scores * (1.0 / params.temperature)).softmax(-1).view(logits.shape)
     # The candidates, largest first, as sample takes them
     top, ids = top_candidates(scores, count)
     top = top * (1.0 / params.temperature)
@@ -57,9 +60,12 @@ def accept(target_logits: torch.Tensor, drafted: torch.Tensor, draft_probs: torc
     # (R, K + 1) what a rejection at each position draws from, then p after every draft
     rejected = (p[:, :count] - draft_probs).clamp(min=0)
     residual = torch.cat([rejected, p[:, count:]], dim=1)
-    # Gumbel-max over the unnormalised residual: an exact draw from it normalised
+    # Gumbel-max over the unnormalised residual: an exact draw from it normalised; greedy, its
+    # one token (noise of exactly 0 would make every score -inf)
     noise = torch.rand_like(residual)
     fallback = (residual.log() - torch.log(-torch.log(noise))).argmax(-1)
+    if params.temperature == 0:
+        fallback = residual.argmax(-1)
     index = torch.arange(count + 1, device=drafted.device)
     tokens = torch.where(index < prefix[:, None], F.pad(drafted, (0, 1)), fallback)
     return tokens, prefix + 1
@@ -84,8 +90,9 @@ class SpeculationStats:
 
 class Speculator:
     """Decodes one prompt with `target` (a Generator), its drafts from `draft` (a Generator of a
-    model with the target's vocabulary and the same capacity), both made with `sampling`: rounds
-    of k drafted tokens, each checked by one step of the target of k + 1 tokens."""
+    model with the target's vocabulary and the same capacity), both of which must be made with
+    `sampling`: rounds of k drafted tokens, each checked by one step of the target of k + 1
+    tokens (at most 16: the fast path's steps)."""
 
     def __init__(self, target: Generator, draft: Generator, sampling: SamplingParams, k: int = 4):
         require(type(k) is int and 1 <= k <= 15, f"k {k!r}: 1 to 15 drafted tokens a round")
@@ -125,9 +132,9 @@ class Speculator:
     @torch.no_grad()
     def generate(self, prompt: list[int], *, max_new: int, stop_ids: set,
                  check_every: int = 16) -> tuple[list[int], SpeculationStats]:
-        """The prompt's new tokens, cut before the first stop token or at max_new, and the
-        rounds' counts. The rounds between checks make at least check_every tokens' worth of
-        rounds' steps; each check is one sync."""
+        """The prompt's new tokens, cut at max_new and before the first stop token, and the
+        rounds' counts. Between checks, rounds of about check_every tokens' worth of steps (at
+        least one round); each check is one sync."""
         require(len(prompt) + max_new + self.k + 2 <= self.target.capacity,
                 "the prompt, max_new and a round's k + 1 tokens must fit the capacity")
         self.target.prefill([prompt])
@@ -137,13 +144,14 @@ class Speculator:
         # (2,) the tokens the rounds kept, and the rounds that accepted every draft
         counts = torch.zeros(2, dtype=torch.long, device=self.target.state.tokens.device)
         while True:
-            new = self.target.state.sequences[0, start:start + produced].tolist()
+            # The last rounds may overshoot max_new
+            new = self.target.state.sequences[0, start:start + produced].tolist()[:max_new]
             ends = [i for i, token in enumerate(new) if token in stop_ids]
             if ends or produced >= max_new:
-                new = new[:ends[0]] if ends else new[:max_new]
+                new = new[:ends[0]] if ends else new
                 kept, full = counts.tolist()
                 return new, SpeculationStats(rounds, kept, full)
-            # Rounds of at least one token each: none past max_new + k + 1 tokens
+            # Rounds of at least one token each: none past max_new + k tokens
             count = max(1, min(check_every, max_new - produced) // (self.k + 1))
             # The attended length: every position these rounds may write
             kv_len = bucket(start + produced + count * (self.k + 1), self.target.capacity)

@@ -3351,6 +3351,8 @@ def test_speculative_greedy_is_the_targets_own(target, draft, request):
         tokens, stats = spec.generate(prompt, max_new=40, stop_ids=set())
         assert tokens == plain
         assert stats.kept >= 39 and (stats.acceptance == 1.0) == (draft == target)
+        # A round that overshoots max_new is cut
+        assert spec.generate(prompt, max_new=3, stop_ids=set())[0] == plain[:3]
 
 
 def test_speculative_sampled_with_itself_accepts_every_draft(tiny):

@@ -266,6 +266,9 @@ def step(a: argparse.Namespace) -> list:
     a one-token step at the same rows, and the ceiling (every weight read once at the read
     bandwidth; MoE: the picked experts of one token, a floor)."""
     import qwen3_triton as fast
+    lengths = [int(n) for n in a.lengths.split(",")]
+    if a.batch * max(lengths) > fast.STEP_TOKENS or a.history + max(lengths) > a.cache:
+        sys.exit(f"step: --batch x T at most {fast.STEP_TOKENS}, --history + T at most --cache")
     model = random_model(a.size, a.quant)
     model.setup_cache(a.batch, a.cache)
     ceiling_ms = weight_bytes(model) / bandwidth() / 1e6
@@ -290,7 +293,7 @@ def step(a: argparse.Namespace) -> list:
         return min(times)
     one_ms = timed(1)
     rows = []
-    for tokens_a_row in (int(n) for n in a.lengths.split(",")):
+    for tokens_a_row in lengths:
         ms = timed(tokens_a_row)
         rows.append({"size": a.size, "quant": a.quant, "rows": a.batch, "tokens": tokens_a_row,
                      "history": a.history, "step_ms": round(ms, 3),
@@ -486,9 +489,10 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--cache", type=int, default=1024, help="KV cache positions")
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens")
-    ap.add_argument("--lengths", default="128", help="ttft: comma-separated prompt lengths")
+    ap.add_argument("--lengths", default="128",
+                    help="ttft: comma-separated prompt lengths; step: tokens a row")
     ap.add_argument("--history", type=int, default=0,
-                    help="ttft: tokens of a conversation already in the cache")
+                    help="ttft, step: tokens of a conversation already in the cache")
     ap.add_argument("--every-expert", action="store_true",
                     help="MoE: every expert on every token where the kernels don't run")
     ap.add_argument("--n1", type=int, default=64)
