@@ -149,6 +149,16 @@ def _route(router, EXPERTS: tl.constexpr, TOP_K: tl.constexpr, NORM_TOPK: tl.con
 
 
 @triton.jit
+def _weight_rows(N, BN: tl.constexpr, GATED: tl.constexpr):
+    # The BN weight rows of program (tile, ...): GATED, BN / 2 pairs, each a gate row i then its
+    # up row N / 2 + i (an output each: silu(gate) * up)
+    if GATED:
+        pair = tl.program_id(0) * (BN // 2) + tl.arange(0, BN) // 2
+        return pair + tl.arange(0, BN) % 2 * (N // 2)
+    return tl.program_id(0) * BN + tl.arange(0, BN)
+
+
+@triton.jit
 def _weight_block(w_rows, n, k0, N, row_words, BK: tl.constexpr):
     # Words k0 ... k0 + BK - 1 of weight rows n, 0 past the ends: (BN, BK)
     words = k0 + tl.arange(0, BK)
@@ -190,12 +200,7 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, row_words, x_row,
     # Program (tile, j, r): BN rows of token r's output for pick j, r * TOP_K + j (ROUTED: a
     # program summing the picks would read their weights one after another, too few bytes in
     # flight); without EXPERTS, of the one token's output.
-    if GATED:
-        # BN / 2 pairs a program, each a gate row then its up row
-        pair = tl.program_id(0) * (BN // 2) + tl.arange(0, BN) // 2
-        n = pair + tl.arange(0, BN) % 2 * (N // 2)
-    else:
-        n = tl.program_id(0) * BN + tl.arange(0, BN)
+    n = _weight_rows(N, BN, GATED)
     j, r = tl.program_id(1), tl.program_id(2)
     out_row = r * max(TOP_K, 1) + j
     # GROUP_WORDS words per int4 group, else 1; FIELD_BITS bits a field
@@ -324,11 +329,7 @@ def _rows_product(x, weight, scale, offset, norm, res, out, M, N, row_words, eps
     # rounded to x's dtype (the weights dequantized as quantize.dequantized does), summed in
     # fp32. With NORM, the inputs times the norm's weights; 1 / rms scales the sums at the end.
     # Program (tile, token block): BN weight rows (GATED: BN / 2 pairs) for MB tokens
-    if GATED:
-        pair = tl.program_id(0) * (BN // 2) + tl.arange(0, BN) // 2
-        n = pair + tl.arange(0, BN) % 2 * (N // 2)
-    else:
-        n = tl.program_id(0) * BN + tl.arange(0, BN)
+    n = _weight_rows(N, BN, GATED)
     m = tl.program_id(1) * MB + tl.arange(0, MB)
     K = row_words * PACK
     FIELD_BITS: tl.constexpr = 32 // PACK

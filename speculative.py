@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from generate import Generator, SamplingParams, bucket, require, sample, top_candidates
+from generate import Generator, SamplingParams, bucket, require, top_candidates
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -60,15 +60,19 @@ def accept(target_logits: torch.Tensor, drafted: torch.Tensor, draft_probs: torc
     # (R, K + 1) what a rejection at each position draws from, then p after every draft
     rejected = (p[:, :count] - draft_probs).clamp(min=0)
     residual = torch.cat([rejected, p[:, count:]], dim=1)
-    # Gumbel-max over the unnormalised residual: an exact draw from it normalised; greedy, its
-    # one token (noise of exactly 0 would make every score -inf)
-    noise = torch.rand_like(residual)
-    fallback = (residual.log() - torch.log(-torch.log(noise))).argmax(-1)
-    if params.temperature == 0:
-        fallback = residual.argmax(-1)
+    fallback = draw(residual, params)
     index = torch.arange(count + 1, device=drafted.device)
     tokens = torch.where(index < prefix[:, None], F.pad(drafted, (0, 1)), fallback)
     return tokens, prefix + 1
+
+
+def draw(weights: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Ids (...,) drawn from weights (..., V) normalised, by Gumbel-max over their logarithms;
+    greedy, the largest (noise of exactly 0 would make every score -inf)."""
+    if params.temperature == 0:
+        return weights.argmax(-1)
+    noise = torch.rand_like(weights)
+    return (weights.log() - torch.log(-torch.log(noise))).argmax(-1)
 
 
 @dataclass
@@ -113,8 +117,9 @@ class Speculator:
         for i in range(self.k + 1):
             logits = self.draft.forward_step(tokens, positions + i, kv_len)[:, -1]
             if i < self.k:
+                # q, and a draft drawn from it
                 draft_probs.append(probabilities(logits, self.params))
-                tokens = sample(logits, self.params)[:, None]
+                tokens = draw(draft_probs[-1], self.params)[:, None]
                 drafted.append(tokens)
         drafted = torch.cat(drafted, dim=1)
         checked = torch.cat([state.tokens[:1], drafted], dim=1)
