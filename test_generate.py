@@ -225,6 +225,9 @@ class BesideOutcomes:
 # The tests that a third process runs where the machine has 4 cores or more (a GPU machine has
 # many): the GPU's own, and the converter's memory, which write and read gigabytes
 APART = ("cuda", "memory")
+# Where the machine has 8 cores or more, each of those processes' tests dealt among several
+# processes: one for every 4 cores, 4 at most
+SHARES = min(4, os.cpu_count() // 4) if os.cpu_count() >= 8 else 1
 
 
 def process_of(item) -> str | None:
@@ -242,13 +245,13 @@ class CalledBeside:
     its outcome is the one it had there, in `runs`."""
 
     def __init__(self, runs: dict[str, Started]):
-        self.runs = runs
+        self.runs = runs  # {nodeid: the process that runs it}
 
     def pytest_pyfunc_call(self, pyfuncitem):
-        process = process_of(pyfuncitem)
-        if process is None:
+        run = self.runs.get(pyfuncitem.nodeid)
+        if run is None:
             return None  # pytest calls it
-        outcome, report = self.runs[process].outcome(pyfuncitem.nodeid)
+        outcome, report = run.outcome(pyfuncitem.nodeid)
         if outcome == "skipped":
             pytest.skip(report)
         if outcome == "failed":
@@ -274,14 +277,21 @@ def started(request, tmp_path_factory):
         process = process_of(item)
         if process:
             others.setdefault(process, []).append(item.nodeid)
+    called_beside = {}
     for process, nodeids in others.items():
-        folder = tmp_path_factory.mktemp(process)
-        (folder / "outcomes").touch()
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *nodeids]
-        runs[process] = Started(command, folder, {BESIDE_OUTCOMES: str(folder / "outcomes")})
+        for share in range(SHARES):
+            mine = nodeids[share::SHARES]
+            if not mine:
+                continue
+            folder = tmp_path_factory.mktemp(f"{process}{share}")
+            (folder / "outcomes").touch()
+            command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *mine]
+            env = {BESIDE_OUTCOMES: str(folder / "outcomes")}
+            runs[f"{process}{share}"] = Started(command, folder, env)
+            called_beside.update(dict.fromkeys(mine, runs[f"{process}{share}"]))
     beside = bool(others)
     if beside:
-        request.config.pluginmanager.register(CalledBeside(dict(runs)), "called_beside")
+        request.config.pluginmanager.register(CalledBeside(called_beside), "called_beside")
     if "test_kernels_in_triton_interpreter" in names and interpreter_skip_reason() is None:
         folder = tmp_path_factory.mktemp("interpreter")
         runs["interpreter"] = Started(INTERPRETER_COMMAND, folder, {"TRITON_INTERPRET": "1"})
