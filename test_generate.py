@@ -228,6 +228,9 @@ APART = ("cuda", "memory")
 # Where the machine has 8 cores or more, each of those processes' tests dealt among several
 # processes: one for every 4 cores, 4 at most
 SHARES = min(4, os.cpu_count() // 4) if os.cpu_count() >= 8 else 1
+# Two processes that compile a decode step into an empty inductor cache: a minute or two on a GPU
+# machine (Triton's kernels), which the tests after it would wait for
+SLOWEST_BESIDE = "test_a_second_compile_process_starts_from_inductors_cache"
 
 
 def process_of(item) -> str | None:
@@ -273,7 +276,9 @@ def started(request, tmp_path_factory):
     names = {item.originalname for item in request.session.items}
     runs = {}
     others = {}
-    for item in request.session.items:
+    # The slowest test run beside first: its process starts with it
+    items = sorted(request.session.items, key=lambda item: item.name != SLOWEST_BESIDE)
+    for item in items:
         process = process_of(item)
         if process:
             others.setdefault(process, []).append(item.nodeid)
@@ -3189,8 +3194,11 @@ def test_kernel_sampler_draws_pytorchs_tokens(device, top_k, top_p):
     ids = G.top_candidates(tied, 8)[1]  # ties in id order
     values = tied.gather(-1, ids)
     assert ((values[:, :-1] > values[:, 1:]) | (ids[:, :-1] < ids[:, 1:])).all()
-    noise = torch.rand(6, top_k, device=device)
-    torch.library.opcheck(torch.ops.qwen3_fast.top_k_draw, (logits, noise, 0.7, top_p))
+    # The op's schema and fake output at one filter (the op checked is the same; a top-k of 64
+    # is slow in the interpreter)
+    if top_k == 5:
+        noise = torch.rand(6, top_k, device=device)
+        torch.library.opcheck(torch.ops.qwen3_fast.top_k_draw, (logits, noise, 0.7, top_p))
 
 
 @pytest.mark.skipif(fast is None, reason="needs Triton")
