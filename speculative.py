@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from generate import Generator, SamplingParams, bucket, require, top_candidates
+from generate import CUDAGraphs, Generator, SamplingParams, require, top_candidates
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -96,7 +96,8 @@ class Speculator:
     """Decodes one prompt with `target` (a Generator), its drafts from `draft` (a Generator of a
     model with the target's vocabulary and the same capacity), both of which must be made with
     `sampling`: rounds of k drafted tokens, each checked by one step of the target of k + 1
-    tokens (at most 16: the fast path's steps)."""
+    tokens (at most 16: the fast path's steps). Where the target is made with cuda_graph, each
+    round is replayed as one CUDA graph (a graph an attended length); otherwise it runs eagerly."""
 
     def __init__(self, target: Generator, draft: Generator, sampling: SamplingParams, k: int = 4):
         require(type(k) is int and 1 <= k <= 15, f"k {k!r}: 1 to 15 drafted tokens a round")
@@ -105,13 +106,20 @@ class Speculator:
                 f"{vocabs[0]}: the draft needs the target's tokenizer")
         require(target.capacity == draft.capacity, "the draft's capacity must be the target's")
         self.target, self.draft, self.k, self.params = target, draft, k, sampling
+        # (2,) the tokens the rounds kept, and the rounds that accepted every draft
+        self.counts = torch.zeros(2, dtype=torch.long, device=target.state.tokens.device)
+        self.step = self.round
+        if target.graphed:
+            self.step = CUDAGraphs(self.round)
 
-    def round(self, kv_len: int) -> torch.Tensor:
-        """One round for row 0, device-side: the draft's k + 1 one-token steps from the row's
+    def round(self, kv_positions: torch.Tensor) -> None:
+        """One round for row 0, device-side only: the draft's k + 1 one-token steps from the row's
         token (the last writes drafted token k's key, which the next round may attend to), the
-        target's step of k + 1 tokens, then the kept tokens into the target's state. Returns
-        how many were kept (1,)."""
+        target's step of k + 1 tokens, then the kept tokens into the target's state and their
+        count into self.counts. kv_positions: the attended prefix of the cache (its length alone
+        is read), as in Generator.decode_one_token."""
         state = self.target.state
+        kv_len = len(kv_positions)
         tokens, positions = state.tokens[:1], state.positions[:1]
         drafted, draft_probs = [], []
         for i in range(self.k + 1):
@@ -132,7 +140,7 @@ class Speculator:
         state.sequences[:1].scatter_(1, positions + 1 + offsets, round_tokens)
         state.tokens[:1] = round_tokens.gather(1, kept[:, None] - 1)
         state.positions[:1] += kept[:, None]
-        return kept
+        self.counts += torch.cat([kept, kept == self.k + 1])
 
     @torch.no_grad()
     def generate(self, prompt: list[int], *, max_new: int, stop_ids: set,
@@ -146,22 +154,20 @@ class Speculator:
         self.draft.prefill([prompt])
         start = len(prompt)
         produced, rounds = 1, 0
-        # (2,) the tokens the rounds kept, and the rounds that accepted every draft
-        counts = torch.zeros(2, dtype=torch.long, device=self.target.state.tokens.device)
+        self.counts.zero_()
         while True:
             # The last rounds may overshoot max_new
             new = self.target.state.sequences[0, start:start + produced].tolist()[:max_new]
             ends = [i for i, token in enumerate(new) if token in stop_ids]
             if ends or produced >= max_new:
                 new = new[:ends[0]] if ends else new
-                kept, full = counts.tolist()
+                kept, full = self.counts.tolist()
                 return new, SpeculationStats(rounds, kept, full)
             # Rounds of at least one token each: none past max_new + k tokens
             count = max(1, min(check_every, max_new - produced) // (self.k + 1))
-            # The attended length: every position these rounds may write
-            kv_len = bucket(start + produced + count * (self.k + 1), self.target.capacity)
+            # The attended prefix: every position these rounds may write
+            kv_positions = self.target.attended(start + produced + count * (self.k + 1))
             for _ in range(count):
-                kept = self.round(kv_len)
-                counts += torch.cat([kept, kept == self.k + 1])
+                self.step(kv_positions)
             rounds += count
             produced = int(self.target.state.positions[0, 0]) - start + 1

@@ -23,6 +23,9 @@ built on the GPU.
     python bench/bench.py bandwidth                      # the decode ceiling's denominator
     python bench/bench.py step --size 8B --batch 1 --lengths 1,2,5,8,16 --history 300
                               # the fast path's step of --batch rows of T tokens, graphed
+    python bench/bench.py speculate --size 8B --draft-size 0.6B --k 4 --greedy
+    python bench/bench.py speculate --checkpoint TARGET --draft-checkpoint DRAFT --greedy
+                              # speculative.py's graphed rounds against plain graphed decoding
 
 Decode tok/s comes from two generation lengths in one process, (n2 - n1) / (t2 - t1), which cancels
 prefill and every fixed cost; the best of --repeats. The peer is transformers' Qwen3ForCausalLM of
@@ -272,33 +275,90 @@ def step(a: argparse.Namespace) -> list:
     model = random_model(a.size, a.quant)
     model.setup_cache(a.batch, a.cache)
     ceiling_ms = weight_bytes(model) / bandwidth() / 1e6
-
-    def timed(tokens_a_row: int) -> float:
-        tokens = torch.randint(0, VOCAB, (a.batch, tokens_a_row), device="cuda")
-        positions = a.history + torch.arange(tokens_a_row, device="cuda").expand(a.batch, -1)
-        kv_len = G.bucket(a.history + tokens_a_row, a.cache)
-        with torch.no_grad():
-            fast.forward_step(model, tokens, positions, kv_len)  # Triton compiles
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fast.forward_step(model, tokens, positions, kv_len)
-        times = []
-        for _ in range(20):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        return min(times)
-    one_ms = timed(1)
+    one_ms = step_ms(model, a.batch, 1, a.history, a.cache)
     rows = []
     for tokens_a_row in lengths:
-        ms = timed(tokens_a_row)
+        ms = step_ms(model, a.batch, tokens_a_row, a.history, a.cache)
         rows.append({"size": a.size, "quant": a.quant, "rows": a.batch, "tokens": tokens_a_row,
                      "history": a.history, "step_ms": round(ms, 3),
                      "to_one_token": round(ms / one_ms, 2), "ceiling_ms": round(ceiling_ms, 3)})
     return rows
+
+
+def step_ms(model: Transformer, rows: int, tokens_a_row: int, history: int, cache: int) -> float:
+    """ms of the fast path's forward of rows x tokens_a_row new tokens after `history` tokens a
+    row, in a CUDA graph: the best of 20 replays."""
+    import qwen3_triton as fast
+    tokens = torch.randint(0, model.args.vocab_size, (rows, tokens_a_row), device="cuda")
+    positions = history + torch.arange(tokens_a_row, device="cuda").expand(rows, -1)
+    kv_len = G.bucket(history + tokens_a_row, cache)
+    with torch.no_grad():
+        fast.forward_step(model, tokens, positions, kv_len)  # Triton compiles
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fast.forward_step(model, tokens, positions, kv_len)
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return min(times)
+
+
+def speculate(a: argparse.Namespace) -> list:
+    """speculative.py's rounds as CUDA graphs (its target a cuda_graph Generator) against the
+    target's plain graphed decoding, batch 1: tok/s from two lengths as decode's, the drafts'
+    acceptance and tokens a round; and the cost model: a round's k + 1 draft steps and one verify
+    step of k + 1 tokens, in plain steps, with the speedup they imply at acceptance 0.5 to 0.9
+    ((1 - a^(k + 1)) / (1 - a) tokens a round). The pair: --size and --draft-size, random weights
+    (greedy: no agreement, the overhead's worst case; the same size: the same weights, every draft
+    accepted), or --checkpoint and --draft-checkpoint, a real pair, its prompt from torch's own
+    source."""
+    import inspect
+
+    import speculative
+    sampling = G.SamplingParams() if a.greedy else SAMPLED
+    if a.checkpoint:
+        target, draft = (G.load_model(path, "cuda") for path in (a.checkpoint, a.draft_checkpoint))
+        source = inspect.getsource(torch.nn.modules.linear)
+        prompt = G.Tokenizer(a.checkpoint).encode(source)[:a.prompt]
+    else:
+        target, draft = random_model(a.size, a.quant), random_model(a.draft_size, None)
+        prompt = torch.randint(0, VOCAB, (a.prompt,)).tolist()
+
+    def generator(model: Transformer, graphed: bool) -> G.Generator:
+        return G.Generator(model, batch=1, capacity=a.cache, sampling=sampling,
+                           cuda_graph=graphed)
+
+    def rate(run) -> float:
+        run(a.n2)  # captures every attended length's graphs
+        return max(rate_from_two_lengths(run, a.n1, a.n2, a.repeats))
+    def plain_rate(model: Transformer) -> float:
+        gen = generator(model, True)
+        return rate(lambda n: gen.generate([prompt], max_new=n, stop_ids=set()))
+    plain_tok_s = {"target": plain_rate(target), "draft": plain_rate(draft)}
+    verify_ms = step_ms(target, 1, a.k + 1, a.prompt, a.cache)
+    # The graphs above are of caches that a new Generator replaces: never replayed again
+    spec = speculative.Speculator(generator(target, True), generator(draft, False), sampling, a.k)
+    tok_s = rate(lambda n: spec.generate(prompt, max_new=n, stop_ids=set()))
+    stats = spec.generate(prompt, max_new=a.n2, stop_ids=set())[1]
+    plain_ms = 1e3 / plain_tok_s["target"]
+    round_steps = ((a.k + 1) * 1e3 / plain_tok_s["draft"] + verify_ms) / plain_ms
+    model_speedup = {f"{p:.1f}": round((1 - p ** (a.k + 1)) / (1 - p) / round_steps, 2)
+                     for p in (0.5, 0.6, 0.7, 0.8, 0.9)}
+    pair = [a.checkpoint, a.draft_checkpoint] if a.checkpoint else [a.size, a.draft_size]
+    return [{"pair": pair, "quant": a.quant, "k": a.k, "greedy": a.greedy,
+             "plain_tok_s": round(plain_tok_s["target"], 1),
+             "speculative_tok_s": round(tok_s, 1),
+             "speedup": round(tok_s / plain_tok_s["target"], 2),
+             "acceptance": round(stats.acceptance, 3),
+             "tokens_a_round": round(stats.kept / stats.rounds, 2),
+             "draft_step": round(1e3 / plain_tok_s["draft"] / plain_ms, 3),
+             "verify_step": round(verify_ms / plain_ms, 3), "round_steps": round(round_steps, 2),
+             "model_speedup_at": model_speedup}]
 
 
 def ttft(a: argparse.Namespace) -> list:
@@ -483,7 +543,7 @@ def write_checkpoint(a: argparse.Namespace) -> list:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("what", choices=["decode", "ttft", "first-text", "load", "write-checkpoint",
-                                     "bandwidth", "step"])
+                                     "bandwidth", "step", "speculate"])
     ap.add_argument("--size", default="0.6B", choices=list(PRESETS))
     ap.add_argument("--modes", default="compile", help=f"comma-separated: {', '.join(MODES)}")
     ap.add_argument("--batch", type=int, default=1)
@@ -510,6 +570,10 @@ def main():
     ap.add_argument("--checkpoint", help="first-text, load: a converted checkpoint; "
                     "write-checkpoint: where to write one")
     ap.add_argument("--tokenizer-from", help="write-checkpoint: a checkpoint's tokenizer files")
+    ap.add_argument("--draft-size", default="0.6B", choices=list(PRESETS),
+                    help="speculate: the draft's preset")
+    ap.add_argument("--draft-checkpoint", help="speculate: with --checkpoint, a real pair")
+    ap.add_argument("--k", type=int, default=4, help="speculate: tokens drafted a round")
     # first-text's and load's own processes
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -519,6 +583,8 @@ def main():
         rows = ttft(a)
     elif a.what == "step":
         rows = step(a)
+    elif a.what == "speculate":
+        rows = speculate(a)
     elif a.what == "first-text":
         rows = first_text(a)
     elif a.what == "load":
