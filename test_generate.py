@@ -225,9 +225,11 @@ class BesideOutcomes:
 # The tests that a third process runs where the machine has 4 cores or more (a GPU machine has
 # many): the GPU's own, and the converter's memory, which write and read gigabytes
 APART = ("cuda", "memory")
+# The machine's cores (None where Python can't tell: one)
+CORES = os.cpu_count() or 1
 # Where the machine has 8 cores or more, each of those processes' tests dealt among several
 # processes: one for every 4 cores, 4 at most
-SHARES = min(4, os.cpu_count() // 4) if os.cpu_count() >= 8 else 1
+SHARES = min(4, CORES // 4) if CORES >= 8 else 1
 # Two processes that compile a decode step into an empty inductor cache: a minute or two on a GPU
 # machine (Triton's kernels), which the tests after it would wait for
 SLOWEST_BESIDE = "test_a_second_compile_process_starts_from_inductors_cache"
@@ -238,7 +240,7 @@ def process_of(item) -> str | None:
     for APART's where the machine has the cores; None: this process."""
     if item.get_closest_marker("beside"):
         return "beside"
-    if os.cpu_count() >= 4 and any(word in item.nodeid for word in APART):
+    if CORES >= 4 and any(word in item.nodeid for word in APART):
         return "apart"
     return None
 

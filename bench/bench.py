@@ -313,13 +313,17 @@ def speculate(a: argparse.Namespace) -> list:
     target's plain graphed decoding, batch 1: tok/s from two lengths as decode's, the drafts'
     acceptance and tokens a round; and the cost model: a round's k + 1 draft steps and one verify
     step of k + 1 tokens, in plain steps, with the speedup they imply at acceptance 0.5 to 0.9
-    ((1 - a^(k + 1)) / (1 - a) tokens a round). The pair: --size and --draft-size, random weights
-    (greedy: no agreement, the overhead's worst case; the same size: the same weights, every draft
-    accepted), or --checkpoint and --draft-checkpoint, a real pair, its prompt from torch's own
-    source."""
+    ((1 - a^(k + 1)) / (1 - a) tokens a round; the round's own work besides the steps, its
+    probabilities, acceptance and draws, is not in it: the measured rate has it). The pair: --size
+    (with --quant) and --draft-size, random weights (greedy: no agreement, the overhead's worst
+    case; the same size without --quant: the same weights, every draft accepted), or --checkpoint
+    and --draft-checkpoint, a real pair, its prompt from torch's own source. The verify step is
+    timed after the prompt and the middle of the timed tokens."""
     import inspect
 
     import speculative
+    if not 1 <= a.k <= 15 or bool(a.checkpoint) != bool(a.draft_checkpoint):
+        sys.exit("speculate: --k from 1 to 15; --checkpoint and --draft-checkpoint together")
     sampling = G.SamplingParams() if a.greedy else SAMPLED
     if a.checkpoint:
         target, draft = (G.load_model(path, "cuda") for path in (a.checkpoint, a.draft_checkpoint))
@@ -340,7 +344,7 @@ def speculate(a: argparse.Namespace) -> list:
         gen = generator(model, True)
         return rate(lambda n: gen.generate([prompt], max_new=n, stop_ids=set()))
     plain_tok_s = {"target": plain_rate(target), "draft": plain_rate(draft)}
-    verify_ms = step_ms(target, 1, a.k + 1, a.prompt, a.cache)
+    verify_ms = step_ms(target, 1, a.k + 1, a.prompt + (a.n1 + a.n2) // 2, a.cache)
     # The graphs above are of caches that a new Generator replaces: never replayed again
     spec = speculative.Speculator(generator(target, True), generator(draft, False), sampling, a.k)
     tok_s = rate(lambda n: spec.generate(prompt, max_new=n, stop_ids=set()))
