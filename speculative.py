@@ -10,6 +10,7 @@ row's accepted tokens are simply written over in the next round, as the static c
     tokens, stats = Speculator(target, draft, sampling, k=4).generate(prompt, max_new=200,
                                                                       stop_ids=eos)
 """
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -105,6 +106,13 @@ class Speculator:
         require(vocabs[0] == vocabs[1], f"a draft of {vocabs[1]} tokens for a target of "
                 f"{vocabs[0]}: the draft needs the target's tokenizer")
         require(target.capacity == draft.capacity, "the draft's capacity must be the target's")
+        # A step reads every weight once: a draft heavier than the target makes a round cost
+        # more than the plain steps it replaces
+        weights = [sum(t.nbytes for t in g.model.state_dict().values()) for g in (target, draft)]
+        if weights[1] > weights[0]:
+            warnings.warn(f"the draft's weights ({weights[1]:,} bytes) outweigh the target's "
+                          f"({weights[0]:,}): its rounds will be slower than plain decoding",
+                          stacklevel=2)
         self.target, self.draft, self.k, self.params = target, draft, k, sampling
         # (2,) the tokens the rounds kept, and the rounds that accepted every draft
         self.counts = torch.zeros(2, dtype=torch.long, device=target.state.tokens.device)

@@ -3411,9 +3411,10 @@ def test_cuda_speculative_rounds_as_graphs_give_the_eager_rounds_tokens(target, 
         assert sampling is not GREEDY or runs[1][0] == plain
 
 
-def test_speculative_refuses_what_cannot_pair(tiny):
+def test_speculative_refuses_what_cannot_pair(tiny, tiny_moe):
     """A draft of another vocabulary, a k out of 1 ... 15, a capacity unlike the target's, a
-    prompt that with max_new and a round does not fit: one line each."""
+    prompt that with max_new and a round does not fit: one line each; a draft heavier than the
+    target: a warning."""
     target = generator(tiny, capacity=64)
     args = ModelArgs(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=300)
@@ -3428,6 +3429,9 @@ def test_speculative_refuses_what_cannot_pair(tiny):
     spec = S.Speculator(target, generator(tiny, capacity=64), GREEDY, k=4)
     with pytest.raises(UserError, match="must fit the capacity"):
         spec.generate([1] * 20, max_new=40, stop_ids=set())
+    # A draft of more bytes than the target: a warning, the rounds still exact
+    with pytest.warns(UserWarning, match=r"the draft's weights \(.*\) outweigh the target's"):
+        S.Speculator(target, generator(tiny_moe, capacity=64), GREEDY)
 
 
 # ---------------------------------------------------------------- the line budget
