@@ -24,6 +24,7 @@ built on the GPU.
     python bench/bench.py step --size 8B --batch 1 --lengths 1,2,5,8,16 --history 300
                               # the fast path's step of --batch rows of T tokens, graphed
     python bench/bench.py speculate --size 8B --draft-size 0.6B --k 4 --greedy
+    python bench/bench.py speculate --size 8B --draft-quant int4 --greedy  # its own int4 copy
     python bench/bench.py speculate --checkpoint TARGET --draft-checkpoint DRAFT --greedy
                               # speculative.py's graphed rounds against plain graphed decoding
 
@@ -116,6 +117,20 @@ def random_model(size: str, quant: str | None) -> Transformer:
     if args.tie_word_embeddings:  # to_empty made the tied lm_head a tensor of its own
         model.lm_head.weight = model.embed_tokens.weight
     return model.eval()
+
+
+def quantized_copy(model: Transformer, mode: str) -> Transformer:
+    """The model's own weights quantized as quantize.py stores them (int8, or int4 in groups of
+    128), on the model's device: a draft that is the target's own quantized copy."""
+    config = quantize.quantized_config(dataclasses.asdict(model.args), mode)
+    tensors, _ = quantize.quantizing(config, convert.checkpoint_tensors(model).items())
+    with torch.device("meta"):
+        copy = Transformer(model.args)
+        quantize.swap_in(copy, config)
+    copy.load_state_dict(dict(tensors), strict=False, assign=True)
+    if model.args.tie_word_embeddings:
+        copy.lm_head.weight = copy.embed_tokens.weight
+    return copy.eval()
 
 
 def weight_bytes(model: Transformer) -> int:
@@ -316,9 +331,10 @@ def speculate(a: argparse.Namespace) -> list:
     ((1 - a^(k + 1)) / (1 - a) tokens a round; the round's own work besides the steps, its
     probabilities, acceptance and draws, is not in it: the measured rate has it). The pair: --size
     (with --quant) and --draft-size, random weights (greedy: no agreement, the overhead's worst
-    case; the same size without --quant: the same weights, every draft accepted), or --checkpoint
-    and --draft-checkpoint, a real pair, its prompt from torch's own source. The verify step is
-    timed after the prompt and the middle of the timed tokens."""
+    case; the same size without --quant: the same weights, every draft accepted); --size and its
+    own --draft-quant copy; or --checkpoint and --draft-checkpoint, a real pair, its prompt from
+    torch's own source. The verify step is timed after the prompt and the middle of the timed
+    tokens."""
     import inspect
 
     import speculative
@@ -330,7 +346,11 @@ def speculate(a: argparse.Namespace) -> list:
         source = inspect.getsource(torch.nn.modules.linear)
         prompt = G.Tokenizer(a.checkpoint).encode(source)[:a.prompt]
     else:
-        target, draft = random_model(a.size, a.quant), random_model(a.draft_size, None)
+        target = random_model(a.size, a.quant)
+        if a.draft_quant:
+            draft = quantized_copy(target, a.draft_quant)
+        else:
+            draft = random_model(a.draft_size, None)
         prompt = torch.randint(0, VOCAB, (a.prompt,)).tolist()
 
     def generator(model: Transformer, graphed: bool) -> G.Generator:
@@ -354,6 +374,8 @@ def speculate(a: argparse.Namespace) -> list:
     model_speedup = {f"{p:.1f}": round((1 - p ** (a.k + 1)) / (1 - p) / round_steps, 2)
                      for p in (0.5, 0.6, 0.7, 0.8, 0.9)}
     pair = [a.checkpoint, a.draft_checkpoint] if a.checkpoint else [a.size, a.draft_size]
+    if a.draft_quant:
+        pair = [a.size, f"{a.size} {a.draft_quant}"]
     return [{"pair": pair, "quant": a.quant, "k": a.k, "greedy": a.greedy,
              "plain_tok_s": round(plain_tok_s["target"], 1),
              "speculative_tok_s": round(tok_s, 1),
@@ -578,6 +600,8 @@ def main():
                     help="speculate: the draft's preset")
     ap.add_argument("--draft-checkpoint", help="speculate: with --checkpoint, a real pair")
     ap.add_argument("--k", type=int, default=4, help="speculate: tokens drafted a round")
+    ap.add_argument("--draft-quant", choices=quantize.MODES,
+                    help="speculate: the draft is --size's own copy, quantized")
     # first-text's and load's own processes
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
