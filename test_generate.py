@@ -235,9 +235,15 @@ SHARES = min(4, CORES // 4) if CORES >= 8 else 1
 SLOWEST_BESIDE = "test_a_second_compile_process_starts_from_inductors_cache"
 
 
+# Under pytest-xdist (-n) its workers spread the tests already: none is run beside them
+XDIST = "PYTEST_XDIST_WORKER" in os.environ
+
+
 def process_of(item) -> str | None:
     """The process that runs a test besides this one: "beside" for the tests marked so, "apart"
     for APART's where the machine has the cores; None: this process."""
+    if XDIST:
+        return None
     if item.get_closest_marker("beside"):
         return "beside"
     if CORES >= 4 and any(word in item.nodeid for word in APART):
