@@ -5,10 +5,16 @@ tokens; sampled, draws from the target's distribution (after its temperature, to
 A round never waits for the host: acceptance is decided on the device, and the positions past a
 row's accepted tokens are simply written over in the next round, as the static cache allows.
 
-    target = Generator(load_model(path), batch=1, capacity=1024, sampling=sampling)
-    draft = Generator(load_model(draft_path), batch=1, capacity=1024, sampling=sampling)
-    tokens, stats = Speculator(target, draft, sampling, k=4).generate(prompt, max_new=200,
-                                                                      stop_ids=eos)
+    import generate
+    target, draft = generate.load(path, "cuda"), generate.load(draft_path, "cuda")
+    sampling = target.sampling  # generation_config.json's; or generate.SamplingParams(...)
+    # cuda_graph: each round one CUDA graph; the draft's steps are captured in the target's
+    made = [generate.Generator(checkpoint.model, batch=1, capacity=1024, sampling=sampling,
+                               cuda_graph=checkpoint is target) for checkpoint in (target, draft)]
+    prompt = target.tokenizer.encode("def fibonacci(n):")
+    tokens, stats = Speculator(*made, sampling, k=4).generate(prompt, max_new=200,
+                                                              stop_ids=target.stop_ids)
+    print(target.tokenizer.decode(tokens), stats.acceptance)
 """
 import warnings
 from dataclasses import dataclass
