@@ -230,9 +230,6 @@ CORES = os.cpu_count() or 1
 # Where the machine has 8 cores or more, each of those processes' tests dealt among several
 # processes: one for every 4 cores, 4 at most
 SHARES = min(4, CORES // 4) if CORES >= 8 else 1
-# Two processes that compile a decode step into an empty inductor cache: a minute or two on a GPU
-# machine (Triton's kernels), which the tests after it would wait for
-SLOWEST_BESIDE = "test_a_second_compile_process_starts_from_inductors_cache"
 
 
 # Under pytest-xdist (-n) its workers spread the tests already: none is run beside them
@@ -273,9 +270,9 @@ class CalledBeside:
 @pytest.fixture(scope="module", autouse=True)
 def started(request, tmp_path_factory):
     """The slowest cases, started with the first test where they are selected: the tests marked
-    beside, the kernel tests in Triton's interpreter, and the torchruns of SPLITS. They run beside
-    this process's tests, on the machine's other cores, and their tests wait for them; any still
-    running when the tests end are stopped."""
+    beside, the kernel tests in Triton's interpreter, COMPILE_TWICE and the torchruns of SPLITS.
+    They run beside this process's tests, on the machine's other cores, and their tests wait for
+    them; any still running when the tests end are stopped."""
     outcomes = os.environ.get(BESIDE_OUTCOMES)
     if outcomes:  # the second process, running the tests marked beside
         request.config.pluginmanager.register(BesideOutcomes(outcomes))
@@ -284,9 +281,7 @@ def started(request, tmp_path_factory):
     names = {item.originalname for item in request.session.items}
     runs = {}
     others = {}
-    # The slowest test run beside first: its process starts with it
-    items = sorted(request.session.items, key=lambda item: item.name != SLOWEST_BESIDE)
-    for item in items:
+    for item in request.session.items:
         process = process_of(item)
         if process:
             others.setdefault(process, []).append(item.nodeid)
@@ -308,6 +303,9 @@ def started(request, tmp_path_factory):
     if "test_kernels_in_triton_interpreter" in names and interpreter_skip_reason() is None:
         folder = tmp_path_factory.mktemp("interpreter")
         runs["interpreter"] = Started(INTERPRETER_COMMAND, folder, {"TRITON_INTERPRET": "1"})
+    if names & COMPILED_TESTS:
+        runs["compiled"] = start_compiled(tmp_path_factory, [request.getfixturevalue(name)
+                                                             for name in COMPILED])
     if "test_tensor_parallel_ranks_equal_one_process" in names:
         paths = {"tiny": request.getfixturevalue("tiny"),
                  "tiny_moe": request.getfixturevalue("tiny_moe")}
@@ -1781,26 +1779,76 @@ def test_greedy_decode_equals_full_recomputation(tiny):
         seq.append(t)
 
 
-@pytest.mark.beside
-@pytest.mark.parametrize("checkpoint", ["tiny", "tiny_moe", "tiny_moe_int4"])
-def test_compile_matches_eager_on_cpu_sampled_with_one_seed(checkpoint, request):
-    """The same seed gives the same sampled tokens compiled and eager: compiled code draws its noise
-    with eager's random functions (inductor's fallback_random), in the same order."""
-    tiny = request.getfixturevalue(checkpoint)
-    from torch._dynamo.utils import counters
+# The checkpoints whose decode step COMPILE_TWICE compiles, and the tests that read its lines
+COMPILED = ("tiny", "tiny_moe", "tiny_moe_int4")
+COMPILED_TESTS = {"test_compile_matches_eager_on_cpu_sampled_with_one_seed",
+                  "test_a_second_compile_process_starts_from_inductors_cache"}
+# Their runs: two rows sampled for 300 steps, which cross the attended lengths 64, 128, 256 and
+# 512 (still one compiled decode step: a dynamic length; the prefill runs eagerly)
+COMPILED_PROMPTS = [[7, 8, 9], [4, 4, 4, 4, 4, 4, 4]]
+COMPILED_SAMPLING = G.SamplingParams(temperature=1.0, top_k=40, top_p=0.95)
+
+# A process that compiles each checkpoint's decode step in turn, then runs it as greedy() runs
+# COMPILED_PROMPTS from seed 0; a JSON line a checkpoint: the tokens, and dynamo's, inductor's and
+# AOTAutograd's counters (graphs; cache hits and misses)
+CACHE_PROBE = """
+import json, sys
+import torch
+sys.path.insert(0, {here!r})
+import generate as G
+from torch._dynamo.utils import counters
+for path in sys.argv[1:]:
+    torch._dynamo.reset()
     counters.clear()
-    prompts = [[7, 8, 9], [4, 4, 4, 4, 4, 4, 4]]
-    sampling = G.SamplingParams(temperature=1.0, top_k=40, top_p=0.95)
-    runs = {}
-    for mode, seed in [("compile", 0), ("eager", 0), ("eager", 1)]:
+    torch.manual_seed(0)
+    gen = G.Generator(G.load_model(path, "cpu", torch.float32), batch=2, capacity=512,
+                      sampling=G.{sampling!r}, compile=True)
+    tokens = gen.generate({prompts!r}, max_new=300, stop_ids=set(), check_every=5)[0]
+    names = ("stats", "inductor", "aot_autograd")
+    print(json.dumps(dict(tokens=tokens, **{{name: dict(counters[name]) for name in names}})))
+"""
+# CACHE_PROBE twice, into an empty inductor cache: tiny's step alone, then every checkpoint's
+COMPILE_TWICE = """
+import subprocess, sys
+probe, tiny, *others = sys.argv[1:]
+for paths in ([tiny], [tiny, *others]):
+    subprocess.run([sys.executable, "-c", probe, *paths], check=True)
+"""
+
+
+def start_compiled(tmp_path_factory, paths: list[str]) -> Started:
+    """COMPILE_TWICE started over `paths` (COMPILED's), its inductor cache in its folder: a minute
+    or two of compiling, beside the tests."""
+    folder = tmp_path_factory.mktemp("compiled")
+    probe = CACHE_PROBE.format(here=HERE, sampling=COMPILED_SAMPLING, prompts=COMPILED_PROMPTS)
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor")}
+    return Started([sys.executable, "-c", COMPILE_TWICE, probe, *paths], folder, env)
+
+
+@pytest.fixture(scope="module")
+def compiled_runs(started) -> dict:
+    """COMPILE_TWICE's lines: "cold", tiny's of the first process; then the second's, by
+    checkpoint (tiny's from the cache)."""
+    r = started["compiled"].result()
+    assert r.returncode == 0, r.stderr[-3000:]
+    cold, *lines = [json.loads(line) for line in r.stdout.splitlines()]
+    return dict(cold=cold, **dict(zip(COMPILED, lines, strict=True)))
+
+
+@pytest.mark.parametrize("checkpoint", COMPILED)
+def test_compile_matches_eager_on_cpu_sampled_with_one_seed(checkpoint, request, compiled_runs):
+    """The same seed gives the same sampled tokens compiled (in a process of its own) and eager:
+    compiled code draws its noise with eager's random functions (inductor's fallback_random), in
+    the same order."""
+    tiny = request.getfixturevalue(checkpoint)
+    eager = {}
+    for seed in (0, 1):
         torch.manual_seed(seed)
-        # 300 steps cross the attended lengths 64, 128, 256 and 512: still one compiled decode step
-        # (a dynamic length); the prefill runs eagerly
-        runs[mode, seed] = greedy(tiny, prompts, max_new=300, compile=mode == "compile",
-                                  sampling=sampling)
-    assert counters["stats"]["unique_graphs"] == 1
-    assert runs["compile", 0] == runs["eager", 0] != runs["eager", 1]
-    assert len(set(runs["eager", 0][0])) > 50  # sampled, not stuck on a few tokens
+        eager[seed] = greedy(tiny, COMPILED_PROMPTS, max_new=300, sampling=COMPILED_SAMPLING)
+    compiled = compiled_runs[checkpoint]
+    assert compiled["stats"]["unique_graphs"] == 1
+    assert compiled["tokens"] == eager[0] != eager[1]
+    assert len(set(eager[0][0])) > 50  # sampled, not stuck on a few tokens
 
 
 def test_stop_tokens_trim_output(tiny):
@@ -2082,41 +2130,16 @@ def test_compile_without_a_cpp_compiler_is_one_line(tiny):
     one_line_error(r, "compile on the CPU needs g++ (or a C++ compiler in CXX)")
 
 
-# A process that compiles each checkpoint's decode step in turn and prints inductor's and
-# AOTAutograd's counters (cache hits and misses) after each
-CACHE_PROBE = """
-import json, sys
-sys.path.insert(0, {here!r})
-import generate as G
-from torch._dynamo.utils import counters
-for path in {paths!r}:
-    counters.clear()
-    gen = G.Generator(G.load_model(path), batch=1, capacity=64, sampling=G.SamplingParams(),
-                      compile=True)
-    gen.generate([[1, 2, 3]], max_new=3, stop_ids=set())
-    print(json.dumps({{name: dict(counters[name]) for name in ("inductor", "aot_autograd")}}))
-"""
-
-
-@pytest.mark.beside
-def test_a_second_compile_process_starts_from_inductors_cache(tiny, tiny_moe, tmp_path):
+def test_a_second_compile_process_starts_from_inductors_cache(compiled_runs):
     """--compile's second run is warm: a new process finds the decode step's compiled code in
     inductor's cache (TORCHINDUCTOR_CACHE_DIR, where our commands leave it), AOTAutograd's too, and
     compiles nothing; another model finds no entry of the first's and compiles its own."""
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-
-    def compiled(*paths):
-        code = CACHE_PROBE.format(here=HERE, paths=list(paths))
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                           timeout=LIMIT)
-        assert r.returncode == 0, r.stderr
-        return [json.loads(line) for line in r.stdout.splitlines()]
-    [cold] = compiled(tiny)
+    cold, warm, other = (compiled_runs[name] for name in ("cold", "tiny", "tiny_moe"))
     assert cold["inductor"]["fxgraph_cache_miss"] == 1
     assert "fxgraph_cache_hit" not in cold["inductor"]
-    warm, other = compiled(tiny, tiny_moe)
     assert warm["aot_autograd"]["autograd_cache_hit"] == 1
     assert "autograd_cache_miss" not in warm["aot_autograd"]
+    assert warm["tokens"] == cold["tokens"]  # the cache's code is the compiled code
     assert other["aot_autograd"]["autograd_cache_miss"] == 1
     assert "autograd_cache_hit" not in other["aot_autograd"]
 
@@ -2750,7 +2773,7 @@ def test_a_full_stdout_is_one_line(tiny, snapshot, tmp_path):
 # ---------------------------------------------------------------- tensor parallelism (tp.py)
 
 # Run by each process of a torchrun, for each checkpoint it is given: the logits of a prefill and
-# of 32 greedy steps through the rank's share of the model, then the tokens of Generator runs,
+# of 16 greedy steps through the rank's share of the model, then the tokens of Generator runs,
 # greedy and sampled, of one prompt and of a batch; with kernels, then one prompt through the
 # fast path (Triton's interpreter). Rank 0 then runs the same through the whole model, as one
 # process does without torchrun: the reference.
@@ -2768,7 +2791,7 @@ def outputs(path, kernels, split):
     logits = []
     with torch.no_grad():
         logits.append(model(tokens, torch.arange(8)[None])[0])
-        for step in range(32):
+        for step in range(16):
             token = logits[-1][-1].argmax()[None, None]
             position = torch.tensor([[8 + step]])
             logits.append(model(token, position, 9 + step)[0])
@@ -2779,7 +2802,7 @@ def outputs(path, kernels, split):
             torch.manual_seed(0)
             gen = G.Generator(model, batch=len(prompts), capacity=96, sampling=sampling,
                               use_kernels=False)
-            runs.append(gen.generate(prompts, max_new=32, stop_ids=set())[0])
+            runs.append(gen.generate(prompts, max_new=16, stop_ids=set())[0])
     if kernels:  # one decode step: the interpreter is slow
         gen = G.Generator(model, batch=1, capacity=96, sampling=G.SamplingParams(),
                           use_kernels=True)
@@ -2857,7 +2880,7 @@ def split_runs(started) -> dict:
 
 @pytest.mark.parametrize("case", SPLITS)
 def test_tensor_parallel_ranks_equal_one_process(case, split_runs):
-    """torchrun, gloo: fp32 logits within 1e-5 of one process's over a prefill and 32 steps, the
+    """torchrun, gloo: fp32 logits within 1e-5 of one process's over a prefill and 16 steps, the
     same greedy and sampled tokens (one prompt and a batch) on every rank. With 4 ranks the tiny
     model's 2 kv heads are each replicated over 2 ranks. Where Triton is installed, a prompt runs
     through the fast path too (greedy), whose kernels add the residual on one rank alone."""
@@ -2865,7 +2888,7 @@ def test_tensor_parallel_ranks_equal_one_process(case, split_runs):
     for rank in ranks:
         assert (rank["logits"] - alone["logits"]).abs().max() <= 1e-5
         assert rank["runs"] == alone["runs"] == ranks[0]["runs"]
-    assert len(alone["runs"][0][0]) == 32 and len(set(alone["runs"][1][0])) > 1
+    assert len(alone["runs"][0][0]) == 16 and len(set(alone["runs"][1][0])) > 1
 
 
 class CountingSlice:
