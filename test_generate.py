@@ -204,9 +204,9 @@ class Started:
 
 # Tests marked beside run in a second pytest process, started with the first test, on another core
 # where the machine has one; this process takes each one's outcome there instead of calling it,
-# waiting for it where it must. Marked: the slowest cases of the file's second half (compiling,
-# processes of their own), which this process reaches after work of its own as long as theirs. The
-# second process finds the file for its outcomes in this variable.
+# waiting for it where it must. Marked: the slowest cases (compiling, processes of their own, the
+# converter's memory, which writes and reads gigabytes), which this process reaches after work of
+# its own as long as theirs. The second process finds the file for its outcomes in this variable.
 BESIDE_OUTCOMES = "QWEN3_FAST_BESIDE_OUTCOMES"
 
 
@@ -223,8 +223,8 @@ class BesideOutcomes:
 
 
 # The tests that a third process runs where the machine has 4 cores or more (a GPU machine has
-# many): the GPU's own, and the converter's memory, which write and read gigabytes
-APART = ("cuda", "memory")
+# many): the GPU's own
+APART = ("cuda",)
 # The machine's cores (None where Python can't tell: one)
 CORES = os.cpu_count() or 1
 # Where the machine has 8 cores or more, each of those processes' tests dealt among several
@@ -988,6 +988,7 @@ def peak_memory_of_converting(src) -> int:
                           "'--shard-size-mb', '32'])")
 
 
+@pytest.mark.beside
 def test_convert_memory_stays_bounded(tmp_path):
     """Converting a ~650 MB sharded checkpoint takes far less memory than its size (a tensor at a
     time)."""
@@ -1010,6 +1011,7 @@ def test_convert_memory_stays_bounded(tmp_path):
     assert torch.equal(last[last.shape[0] // 2:], load_file(src / weight_map[up])[up])
 
 
+@pytest.mark.beside
 def test_convert_moe_memory_does_not_grow_with_the_model(tmp_path):
     """A MoE checkpoint of 3,840 expert tensors (64 experts x 3 x 20 layers, 550 MB) converts in the
     memory of one of half its layers: a layer's experts at a time, stacked."""
@@ -3352,8 +3354,9 @@ def test_kernels_in_triton_interpreter(request, started):
     summary = r.stdout.strip().splitlines()[-1]
     # nothing else
     passed = re.fullmatch(r"(\d+) passed, \d+ deselected(, \d+ warnings?)? in .*", summary)
-    # those this run selected
-    here = sum("[interpreter" in item.nodeid for item in request.session.items)
+    # those this run selected (the command's -k)
+    here = sum("interpreter" in item.name and "in_triton_interpreter" not in item.name
+               for item in request.session.items)
     assert passed and int(passed.group(1)) >= max(here, 1), summary
 
 
