@@ -267,6 +267,19 @@ class CalledBeside:
         return True
 
 
+class OnDemand(dict):
+    """started's runs under pytest-xdist, where every worker sees every test: each started by the
+    first test of this worker that reads it, not by every worker."""
+
+    def __init__(self, runs: dict, starters: dict):
+        super().__init__(runs)
+        self.starters = starters  # {name: a function that starts it, and gives {name: Started}}
+
+    def __missing__(self, name: str) -> Started:
+        self.update(self.starters[name]())
+        return self[name]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def started(request, tmp_path_factory):
     """The slowest cases, started with the first test where they are selected: the tests marked
@@ -300,19 +313,32 @@ def started(request, tmp_path_factory):
     beside = bool(others)
     if beside:
         request.config.pluginmanager.register(CalledBeside(called_beside), "called_beside")
+    # Each a function that starts runs and gives them by name
+    starters = {}
     if "test_kernels_in_triton_interpreter" in names and interpreter_skip_reason() is None:
-        folder = tmp_path_factory.mktemp("interpreter")
-        runs["interpreter"] = Started(INTERPRETER_COMMAND, folder, {"TRITON_INTERPRET": "1"})
+        def interpreter():
+            folder = tmp_path_factory.mktemp("interpreter")
+            env = {"TRITON_INTERPRET": "1"}
+            return {"interpreter": Started(INTERPRETER_COMMAND, folder, env)}
+        starters["interpreter"] = interpreter
     if names & COMPILED_TESTS:
-        runs["compiled"] = start_compiled(tmp_path_factory, [request.getfixturevalue(name)
-                                                             for name in COMPILED])
+        def compiled():
+            paths = [request.getfixturevalue(name) for name in COMPILED]
+            return {"compiled": start_compiled(tmp_path_factory, paths)}
+        starters["compiled"] = compiled
     if "test_tensor_parallel_ranks_equal_one_process" in names:
-        paths = {"tiny": request.getfixturevalue("tiny"),
-                 "tiny_moe": request.getfixturevalue("tiny_moe")}
-        moe = dict(mlp_only_layers=[0], moe_intermediate_size=64)
-        for mode in ("int8", "int4"):
-            paths[mode] = quantized_of(tmp_path_factory.mktemp(mode), mode, moe=moe)
-        runs.update(start_splits(tmp_path_factory, paths))
+        def splits():
+            paths = {name: request.getfixturevalue(name) for name in ("tiny", "tiny_moe")}
+            moe = dict(mlp_only_layers=[0], moe_intermediate_size=64)
+            for mode in ("int8", "int4"):
+                paths[mode] = quantized_of(tmp_path_factory.mktemp(mode), mode, moe=moe)
+            return start_splits(tmp_path_factory, paths)
+        starters["split2"] = starters["split4"] = splits
+    if XDIST:
+        runs = OnDemand(runs, starters)
+    else:
+        for start in dict.fromkeys(starters.values()):
+            runs.update(start())
     yield runs
     if beside:
         request.config.pluginmanager.unregister(name="called_beside")
@@ -1828,9 +1854,10 @@ def start_compiled(tmp_path_factory, paths: list[str]) -> Started:
 
 
 @pytest.fixture(scope="module")
-def compiled_runs(started) -> dict:
+def compiled_runs(started, tiny, tiny_moe, tiny_moe_int4) -> dict:
     """COMPILE_TWICE's lines: "cold", tiny's of the first process; then the second's, by
-    checkpoint (tiny's from the cache)."""
+    checkpoint (tiny's from the cache). Its checkpoints asked for: made before OnDemand starts
+    it."""
     r = started["compiled"].result()
     assert r.returncode == 0, r.stderr[-3000:]
     cold, *lines = [json.loads(line) for line in r.stdout.splitlines()]
@@ -2868,8 +2895,9 @@ def start_splits(tmp_path_factory, paths: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def split_runs(started) -> dict:
-    """TP_SCRIPT's results of each SPLITS case: (one process's, [each rank's])."""
+def split_runs(started, tiny, tiny_moe) -> dict:
+    """TP_SCRIPT's results of each SPLITS case: (one process's, [each rank's]). Its checkpoints
+    asked for: made before OnDemand starts the torchruns."""
     results = {}
     for case, (_, processes) in SPLITS.items():
         run = started[f"split{processes}"]
