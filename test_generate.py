@@ -1807,79 +1807,6 @@ def test_greedy_decode_equals_full_recomputation(tiny):
         seq.append(t)
 
 
-# The checkpoints whose decode step COMPILE_TWICE compiles, and the tests that read its lines
-COMPILED = ("tiny", "tiny_moe", "tiny_moe_int4")
-COMPILED_TESTS = {"test_compile_matches_eager_on_cpu_sampled_with_one_seed",
-                  "test_a_second_compile_process_starts_from_inductors_cache"}
-# Their runs: two rows sampled for 300 steps, which cross the attended lengths 64, 128, 256 and
-# 512 (still one compiled decode step: a dynamic length; the prefill runs eagerly)
-COMPILED_PROMPTS = [[7, 8, 9], [4, 4, 4, 4, 4, 4, 4]]
-COMPILED_SAMPLING = G.SamplingParams(temperature=1.0, top_k=40, top_p=0.95)
-
-# A process that compiles each checkpoint's decode step in turn, then runs it as greedy() runs
-# COMPILED_PROMPTS from seed 0; a JSON line a checkpoint: the tokens, and dynamo's, inductor's and
-# AOTAutograd's counters (graphs; cache hits and misses)
-CACHE_PROBE = """
-import json, sys
-import torch
-sys.path.insert(0, {here!r})
-import generate as G
-from torch._dynamo.utils import counters
-for path in sys.argv[1:]:
-    torch._dynamo.reset()
-    counters.clear()
-    torch.manual_seed(0)
-    gen = G.Generator(G.load_model(path, "cpu", torch.float32), batch=2, capacity=512,
-                      sampling=G.{sampling!r}, compile=True)
-    tokens = gen.generate({prompts!r}, max_new=300, stop_ids=set(), check_every=5)[0]
-    names = ("stats", "inductor", "aot_autograd")
-    print(json.dumps(dict(tokens=tokens, **{{name: dict(counters[name]) for name in names}})))
-"""
-# CACHE_PROBE twice, into an empty inductor cache: tiny's step alone, then every checkpoint's
-COMPILE_TWICE = """
-import subprocess, sys
-probe, tiny, *others = sys.argv[1:]
-for paths in ([tiny], [tiny, *others]):
-    subprocess.run([sys.executable, "-c", probe, *paths], check=True)
-"""
-
-
-def start_compiled(tmp_path_factory, paths: list[str]) -> Started:
-    """COMPILE_TWICE started over `paths` (COMPILED's), its inductor cache in its folder: a minute
-    or two of compiling, beside the tests."""
-    folder = tmp_path_factory.mktemp("compiled")
-    probe = CACHE_PROBE.format(here=HERE, sampling=COMPILED_SAMPLING, prompts=COMPILED_PROMPTS)
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor")}
-    return Started([sys.executable, "-c", COMPILE_TWICE, probe, *paths], folder, env)
-
-
-@pytest.fixture(scope="module")
-def compiled_runs(started, tiny, tiny_moe, tiny_moe_int4) -> dict:
-    """COMPILE_TWICE's lines: "cold", tiny's of the first process; then the second's, by
-    checkpoint (tiny's from the cache). Its checkpoints asked for: made before OnDemand starts
-    it."""
-    r = started["compiled"].result()
-    assert r.returncode == 0, r.stderr[-3000:]
-    cold, *lines = [json.loads(line) for line in r.stdout.splitlines()]
-    return dict(cold=cold, **dict(zip(COMPILED, lines, strict=True)))
-
-
-@pytest.mark.parametrize("checkpoint", COMPILED)
-def test_compile_matches_eager_on_cpu_sampled_with_one_seed(checkpoint, request, compiled_runs):
-    """The same seed gives the same sampled tokens compiled (in a process of its own) and eager:
-    compiled code draws its noise with eager's random functions (inductor's fallback_random), in
-    the same order."""
-    tiny = request.getfixturevalue(checkpoint)
-    eager = {}
-    for seed in (0, 1):
-        torch.manual_seed(seed)
-        eager[seed] = greedy(tiny, COMPILED_PROMPTS, max_new=300, sampling=COMPILED_SAMPLING)
-    compiled = compiled_runs[checkpoint]
-    assert compiled["stats"]["unique_graphs"] == 1
-    assert compiled["tokens"] == eager[0] != eager[1]
-    assert len(set(eager[0][0])) > 50  # sampled, not stuck on a few tokens
-
-
 def test_stop_tokens_trim_output(tiny):
     full = greedy(tiny, [[1, 2, 3]], max_new=30)[0]
     stop = full[9]
@@ -2157,20 +2084,6 @@ def test_compile_without_a_cpp_compiler_is_one_line(tiny):
     r = run_process(os.path.join(HERE, "generate.py"), "--device", "cpu", "--checkpoint", tiny,
                     "--prompt", "hi", "--compile", env={"CXX": "/nonexistent/g++"})
     one_line_error(r, "compile on the CPU needs g++ (or a C++ compiler in CXX)")
-
-
-def test_a_second_compile_process_starts_from_inductors_cache(compiled_runs):
-    """--compile's second run is warm: a new process finds the decode step's compiled code in
-    inductor's cache (TORCHINDUCTOR_CACHE_DIR, where our commands leave it), AOTAutograd's too, and
-    compiles nothing; another model finds no entry of the first's and compiles its own."""
-    cold, warm, other = (compiled_runs[name] for name in ("cold", "tiny", "tiny_moe"))
-    assert cold["inductor"]["fxgraph_cache_miss"] == 1
-    assert "fxgraph_cache_hit" not in cold["inductor"]
-    assert warm["aot_autograd"]["autograd_cache_hit"] == 1
-    assert "autograd_cache_miss" not in warm["aot_autograd"]
-    assert warm["tokens"] == cold["tokens"]  # the cache's code is the compiled code
-    assert other["aot_autograd"]["autograd_cache_miss"] == 1
-    assert "autograd_cache_hit" not in other["aot_autograd"]
 
 
 def test_compile_and_cuda_graph_are_alternatives(tiny):
@@ -3727,3 +3640,94 @@ def test_chat_refuses_bad_flags_and_a_closed_stdin_before_any_turn(tiny):
             env={"LOCAL_RANK": "0"})
     one_line_error(r, "chat.py is one process: run it without torchrun")
     assert "prefilled" not in r.stderr
+
+
+# ---------------------------------------------------------------- compiling, last
+# Last in the file: COMPILE_TWICE starts with the first test and compiles beside every test above,
+# which this process runs first, instead of waiting for it halfway.
+
+# The checkpoints whose decode step COMPILE_TWICE compiles, and the tests that read its lines
+COMPILED = ("tiny", "tiny_moe", "tiny_moe_int4")
+COMPILED_TESTS = {"test_compile_matches_eager_on_cpu_sampled_with_one_seed",
+                  "test_a_second_compile_process_starts_from_inductors_cache"}
+# Their runs: two rows sampled for 300 steps, which cross the attended lengths 64, 128, 256 and
+# 512 (still one compiled decode step: a dynamic length; the prefill runs eagerly)
+COMPILED_PROMPTS = [[7, 8, 9], [4, 4, 4, 4, 4, 4, 4]]
+COMPILED_SAMPLING = G.SamplingParams(temperature=1.0, top_k=40, top_p=0.95)
+
+# A process that compiles each checkpoint's decode step in turn, then runs it as greedy() runs
+# COMPILED_PROMPTS from seed 0; a JSON line a checkpoint: the tokens, and dynamo's, inductor's and
+# AOTAutograd's counters (graphs; cache hits and misses)
+CACHE_PROBE = """
+import json, sys
+import torch
+sys.path.insert(0, {here!r})
+import generate as G
+from torch._dynamo.utils import counters
+for path in sys.argv[1:]:
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    gen = G.Generator(G.load_model(path, "cpu", torch.float32), batch=2, capacity=512,
+                      sampling=G.{sampling!r}, compile=True)
+    tokens = gen.generate({prompts!r}, max_new=300, stop_ids=set(), check_every=5)[0]
+    names = ("stats", "inductor", "aot_autograd")
+    print(json.dumps(dict(tokens=tokens, **{{name: dict(counters[name]) for name in names}})))
+"""
+# CACHE_PROBE twice, into an empty inductor cache: tiny's step alone, then every checkpoint's
+COMPILE_TWICE = """
+import subprocess, sys
+probe, tiny, *others = sys.argv[1:]
+for paths in ([tiny], [tiny, *others]):
+    subprocess.run([sys.executable, "-c", probe, *paths], check=True)
+"""
+
+
+def start_compiled(tmp_path_factory, paths: list[str]) -> Started:
+    """COMPILE_TWICE started over `paths` (COMPILED's), its inductor cache in its folder: a minute
+    or two of compiling, beside the tests."""
+    folder = tmp_path_factory.mktemp("compiled")
+    probe = CACHE_PROBE.format(here=HERE, sampling=COMPILED_SAMPLING, prompts=COMPILED_PROMPTS)
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor")}
+    return Started([sys.executable, "-c", COMPILE_TWICE, probe, *paths], folder, env)
+
+
+@pytest.fixture(scope="module")
+def compiled_runs(started, tiny, tiny_moe, tiny_moe_int4) -> dict:
+    """COMPILE_TWICE's lines: "cold", tiny's of the first process; then the second's, by
+    checkpoint (tiny's from the cache). Its checkpoints asked for: made before OnDemand starts
+    it."""
+    r = started["compiled"].result()
+    assert r.returncode == 0, r.stderr[-3000:]
+    cold, *lines = [json.loads(line) for line in r.stdout.splitlines()]
+    return dict(cold=cold, **dict(zip(COMPILED, lines, strict=True)))
+
+
+@pytest.mark.parametrize("checkpoint", COMPILED)
+def test_compile_matches_eager_on_cpu_sampled_with_one_seed(checkpoint, request, compiled_runs):
+    """The same seed gives the same sampled tokens compiled (in a process of its own) and eager:
+    compiled code draws its noise with eager's random functions (inductor's fallback_random), in
+    the same order."""
+    tiny = request.getfixturevalue(checkpoint)
+    eager = {}
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        eager[seed] = greedy(tiny, COMPILED_PROMPTS, max_new=300, sampling=COMPILED_SAMPLING)
+    compiled = compiled_runs[checkpoint]
+    assert compiled["stats"]["unique_graphs"] == 1
+    assert compiled["tokens"] == eager[0] != eager[1]
+    assert len(set(eager[0][0])) > 50  # sampled, not stuck on a few tokens
+
+
+def test_a_second_compile_process_starts_from_inductors_cache(compiled_runs):
+    """--compile's second run is warm: a new process finds the decode step's compiled code in
+    inductor's cache (TORCHINDUCTOR_CACHE_DIR, where our commands leave it), AOTAutograd's too, and
+    compiles nothing; another model finds no entry of the first's and compiles its own."""
+    cold, warm, other = (compiled_runs[name] for name in ("cold", "tiny", "tiny_moe"))
+    assert cold["inductor"]["fxgraph_cache_miss"] == 1
+    assert "fxgraph_cache_hit" not in cold["inductor"]
+    assert warm["aot_autograd"]["autograd_cache_hit"] == 1
+    assert "autograd_cache_miss" not in warm["aot_autograd"]
+    assert warm["tokens"] == cold["tokens"]  # the cache's code is the compiled code
+    assert other["aot_autograd"]["autograd_cache_miss"] == 1
+    assert "autograd_cache_hit" not in other["aot_autograd"]
