@@ -104,8 +104,7 @@ class Speculator:
     model with the target's vocabulary and the same capacity), both of which must be made with
     `sampling`: rounds of k drafted tokens, each checked by one step of the target of k + 1
     tokens (at most 16: the fast path's steps). Where the target is made with cuda_graph, each
-    round is replayed as one CUDA graph (a graph an attended length); with compile, each round is
-    compiled as a whole; otherwise it runs eagerly."""
+    round is replayed as one CUDA graph (a graph an attended length); otherwise it runs eagerly."""
 
     def __init__(self, target: Generator, draft: Generator, sampling: SamplingParams, k: int = 4):
         require(type(k) is int and 1 <= k <= 15, f"k {k!r}: 1 to 15 drafted tokens a round")
@@ -126,11 +125,6 @@ class Speculator:
         self.step = self.round
         if target.graphed:
             self.step = CUDAGraphs(self.round)
-        # A dynamic attended length (target.attended marks it): one compilation for every length
-        if target.compiled:
-            # cudagraph trees: an input, not a copy
-            torch._dynamo.mark_static_address(self.counts)
-            self.step = torch.compile(self.round, mode="reduce-overhead", fullgraph=True)
 
     def round(self, kv_positions: torch.Tensor) -> None:
         """One round for row 0, device-side only: the draft's k + 1 one-token steps from the row's
