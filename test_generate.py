@@ -282,9 +282,10 @@ class OnDemand(dict):
 
 @pytest.fixture(scope="module", autouse=True)
 def started(request, tmp_path_factory):
-    """The slowest cases, started with the first test where they are selected: the tests marked
-    beside, the kernel tests in Triton's interpreter, COMPILE_TWICE and the torchruns of SPLITS.
-    They run beside this process's tests, on the machine's other cores, and their tests wait for
+    """The slowest cases, started with the first test where they are selected (under pytest-xdist,
+    by the first test of a worker that reads them: OnDemand): the tests marked beside, the kernel
+    tests in Triton's interpreter, COMPILE_TWICE and the torchruns of SPLITS. They run beside this
+    process's tests, on the machine's other cores, and their tests wait for
     them; any still running when the tests end are stopped."""
     outcomes = os.environ.get(BESIDE_OUTCOMES)
     if outcomes:  # the second process, running the tests marked beside
@@ -3643,8 +3644,8 @@ def test_chat_refuses_bad_flags_and_a_closed_stdin_before_any_turn(tiny):
 
 
 # ---------------------------------------------------------------- compiling, last
-# Last in the file: COMPILE_TWICE starts with the first test and compiles beside every test above,
-# which this process runs first, instead of waiting for it halfway.
+# COMPILE_TWICE starts with the first test and compiles beside every test above, which this process
+# runs first instead of waiting for it halfway: its readers come here, at the end.
 
 # The checkpoints whose decode step COMPILE_TWICE compiles, and the tests that read its lines
 COMPILED = ("tiny", "tiny_moe", "tiny_moe_int4")
