@@ -119,17 +119,17 @@ def converse(argv) -> None:
             text = read_turn(interactive)
             if not text.strip():
                 return
-            stream = generate.TextStream(checkpoint.tokenizer.decode, [text])
+            stream = generate.TextStream(checkpoint.tokenizer.decode)
             reply = chat.say(text, on_tokens=stream)
         except UserError as e:  # this turn alone: the conversation goes on
             print(f"error: {e}", file=sys.stderr)
             continue
-        stream.finish()
+        stream.finish([reply.tokens], [text])
         if reply.started_over:
             print("the conversation outgrew the cache: it starts over from the system message",
                   file=sys.stderr)
         print(f"{reply.prefilled} tokens prefilled, {reply.reused} reused. "
-              f"{generate.report(reply.stats, [reply.tokens])}", file=sys.stderr)
+              f"{reply.stats.report([reply.tokens])}", file=sys.stderr)
 
 
 def main(argv=None):

@@ -52,15 +52,17 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UserError(message)
 
 
-def optional(name: str):
-    """An optional module (our quantize.py, qwen3_triton.py, tp.py; Python's readline), or None
-    where it is missing, or the package it needs (Triton) is. One that is there but fails to import
-    is an error: without it, things would silently run many times slower."""
+def optional(name: str, needed_by: str = ""):
+    """An optional module (our quantize.py, qwen3_triton.py, tp.py, speculative.py; Python's
+    readline), or None where it is missing, or the package it needs (Triton) is; a UserError then
+    if `needed_by` (a flag, say) needs it. One that is there but fails to import is an error:
+    without it, things would silently run many times slower."""
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as e:
         if e.name not in (name, "triton"):
             raise
+        require(not needed_by, f"{needed_by} needs {name}.py")
         return None
 
 
@@ -272,8 +274,7 @@ def snapshot_args(src: pathlib.Path) -> tuple[ModelArgs, dict]:
     # Refused now if missing or broken, not when generating
     read_tokenizer(src)
     config = read_json(src / "config.json")
-    quantized = "quantization_config" in config
-    require(not quantized, f"{src}: a quantized snapshot: convert the bf16 one")
+    require("quantization_config" not in config, f"{src} is quantized: convert the bf16 snapshot")
     require("quantization" not in config, f"{src}: already converted; convert its snapshot")
     args = model_args(config)
     # Likewise generation_config.json, if it isn't JSON or its eos ids aren't the model's
@@ -316,8 +317,7 @@ def convert(src: str, out: str, quantization: str | None = None, shard_bytes: in
     args, config = snapshot_args(src)
     require(quantization or group_size is None, "--group-size goes with --quantize int4")
     if quantization:
-        quantize = optional("quantize")
-        require(quantize, f"{quantization} needs quantize.py beside this file")
+        quantize = optional("quantize", quantization)
         config = quantize.quantized_config(config, quantization, group_size)
     with torch.device("meta"):
         model = Transformer(args)
@@ -345,7 +345,7 @@ def write_checkpoint(out: str, tensors, count: int, config: dict, src: pathlib.P
     (name, tensor) pairs, in shards of about shard_bytes; config.json;
     the tokenizer files copied from `src`. Written beside it and renamed when complete: nothing
     that exists is replaced, and an error or a signal leaves nothing behind."""
-    require(str(out).strip() != "", "--output is empty: name a new directory")
+    require(str(out).strip(), "--output is empty: name a new directory")
     # "." has no name to put beside it
     out = pathlib.Path(os.path.abspath(out))
     # the source, ".", an old conversion, an empty directory...

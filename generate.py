@@ -176,10 +176,25 @@ class GenerationStats:
     warmup_s: float
     # Every other decode step
     decode_s: float
-    # The steps timed in decode_s (each gives every row a token)
-    decode_steps: int
+    # The tokens a row that the steps timed in decode_s made
+    decode_tokens: int
     # Ctrl-C, SIGTERM or SIGHUP ended the decode loop early
     interrupted: bool = False
+
+    def report(self, rows: list[list[int]]) -> str:
+        """The line on stderr after a generation of `rows`: what came out, the time to first
+        token, the decode steps that compiled or captured (timed apart), the rate."""
+        made = counted(sum(map(len, rows)), "new token")
+        line = f"{made} in {counted(len(rows), 'row')}. Time to first token {self.prefill_s:.3f} s"
+        if self.interrupted:
+            line = f"Interrupted: {line}"
+        if self.warmup_s:
+            line += f"; compiling or capturing decode steps {self.warmup_s:.2f} s"
+        if self.decode_tokens:
+            rate = self.decode_tokens / self.decode_s
+            line += f"; then {rate:.1f} tok/s per row, {rate * len(rows):.1f} in all"
+            line += f", over {counted(self.decode_tokens, 'token')} a row"
+        return line + "."
 
 
 class Generator:
@@ -254,6 +269,8 @@ class Generator:
         # that one as a warm-up and record at the second
         self.warmed = set()
         self.warmup_steps = 1 + (compile and on_cuda)
+        # The most tokens a decode step adds to a row (speculative.py's rounds: more than one)
+        self.step_tokens = 1
         # The steps as the Generator runs them: eagerly, as our CUDA graphs, or the decode step
         # compiled. A compiled prefill would take seconds to a minute to compile and save
         # milliseconds a prompt (bench/RESULTS.md), which a command's few prompts never repay.
@@ -301,15 +318,6 @@ class Generator:
         state.tokens.copy_(self.draw(logits[:, -1])[:, None])
         state.positions.add_(1)
         state.sequences.scatter_(1, state.positions, state.tokens)
-
-    def attended(self, needed: int) -> torch.Tensor:
-        """The prefix of the cache's positions that a step attends to, when every position written
-        so far is below `needed`: its bucket. A tensor, whose length a compiled step reads as one
-        dynamic size (one compilation for every length) and our graphs as their key."""
-        kv_positions = self.model.key_positions[:bucket(needed, self.capacity)]
-        if self.compiled:
-            torch._dynamo.maybe_mark_dynamic(kv_positions, 0)
-        return kv_positions
 
     def prefill(self, prompts: list[list[int]], start: int = 0) -> None:
         """Every prompt into its cache row at positions start ... in one forward, padded to the
@@ -362,16 +370,16 @@ class Generator:
         kind, checked = "prefill_s", 0
         began = time.perf_counter()
         self.prefill(prompts, start)
-        # Tokens per row so far
-        produced = 1
-        # Where each row's new tokens start in the tail that the checks read
-        shortest = start + min(map(len, prompts))
-        firsts = [start + len(prompt) - shortest for prompt in prompts]
+        # Row 0's first new token's position: every row makes as many tokens a step
+        first = start + len(prompts[0])
         while True:
             try:
-                # One sync a check: every row's tokens from the shortest prompt's end on
-                tails = self.state.sequences[:len(prompts), shortest:longest + produced].tolist()
-                rows = [tail[first:][:produced] for tail, first in zip(tails, firsts, strict=True)]
+                # One sync a check: the tokens a row has made (a step may make more than max_new),
+                # then every row's tokens from `start` on
+                produced = min(max_new, int(self.state.positions[0, 0]) - first + 1)
+                tails = self.state.sequences[:len(prompts), start:longest + produced].tolist()
+                rows = [tail[len(prompt):][:produced]
+                        for tail, prompt in zip(tails, prompts, strict=True)]
                 # Where each row's first stop token is, or None
                 ends = [next((i for i, t in enumerate(row) if t in stop_ids), None) for row in rows]
                 new_tokens = [row[:end] for row, end in zip(rows, ends, strict=True)]
@@ -380,21 +388,27 @@ class Generator:
                 now = time.perf_counter()
                 vars(stats)[kind] += now - began
                 if kind == "decode_s":
-                    stats.decode_steps += produced - checked
+                    stats.decode_tokens += produced - checked
                 began, checked = now, produced
                 if produced == max_new or None not in ends or stats.interrupted:
                     break
-                # The steps until the attended length's next bucket, or the next check
-                kv_len = bucket(longest + produced, self.capacity)
-                steps = min(check_every, max_new - produced, kv_len - longest - produced + 1)
+                # The attended prefix of the cache: the bucket that holds every position the next
+                # step writes. A tensor, whose length a compiled step reads as one dynamic size
+                # (one compilation for every length) and our graphs as their key.
+                kv_len = bucket(longest + produced - 1 + self.step_tokens, self.capacity)
+                kv_positions = self.model.key_positions[:kv_len]
+                if self.compiled:
+                    torch._dynamo.maybe_mark_dynamic(kv_positions, 0)
+                # The steps until the next check, the bucket's end or max_new: at least one
+                room = min(check_every, max_new - produced, kv_len - longest - produced + 1)
+                steps = max(1, room // self.step_tokens)
                 # The first steps at a new length compile or capture its own: timed apart
                 kind = "decode_s"
                 if (self.compiled or self.graphed) and kv_len not in self.warmed:
                     kind, steps = "warmup_s", min(steps, self.warmup_steps)
                     self.warmed.add(kv_len)
                 for _ in range(steps):
-                    self.decode_step(self.attended(longest + produced))
-                    produced += 1
+                    self.decode_step(kv_positions)
             except KeyboardInterrupt:
                 # The rows are read once more, then returned
                 stats.interrupted = True
@@ -557,15 +571,11 @@ class TextStream:
     end. A character split across tokens decodes to U+FFFD until its last byte arrives, so trailing
     U+FFFD is held back: what is printed is always a prefix of the final text."""
 
-    def __init__(self, decode, prompts: list[str]):
+    def __init__(self, decode):
         self.decode = decode
-        self.prompts = prompts
-        # None until the first check
-        self.rows = None
         self.printed = ""
 
     def __call__(self, rows: list[list[int]]) -> None:
-        self.rows = rows
         if len(rows) == 1:
             self.show(self.decode(rows[0]).rstrip("\ufffd"))
 
@@ -573,33 +583,15 @@ class TextStream:
         print(text[len(self.printed):], end="", flush=True)
         self.printed = text
 
-    def finish(self) -> None:
-        """Prints what is left: the rest of one row's text, or every row after its prompt; nothing
-        if generation never started."""
-        if self.rows is None:
-            return
-        if len(self.rows) == 1:
-            self.show(self.decode(self.rows[0]))
+    def finish(self, rows: list[list[int]], prompts: list[str]) -> None:
+        """Prints what is left of generate's `rows`: the rest of one row's text, or every row after
+        its prompt."""
+        if len(rows) == 1:
+            self.show(self.decode(rows[0]))
             print()
         else:
-            for prompt, row in zip(self.prompts, self.rows, strict=True):
+            for prompt, row in zip(prompts, rows, strict=True):
                 print(f"--- {prompt}\n{self.decode(row)}")
-
-
-def report(stats: GenerationStats, rows: list[list[int]]) -> str:
-    """The line on stderr after a generation: what came out, the time to first token, the decode
-    steps that compiled or captured (timed apart), the rate."""
-    tokens = counted(sum(map(len, rows)), "new token")
-    line = f"{tokens} in {counted(len(rows), 'row')}. Time to first token {stats.prefill_s:.3f} s"
-    if stats.interrupted:
-        line = f"Interrupted: {line}"
-    if stats.warmup_s:
-        line += f"; compiling or capturing decode steps {stats.warmup_s:.2f} s"
-    if stats.decode_steps:
-        rate = stats.decode_steps / stats.decode_s
-        line += f"; then {rate:.1f} tok/s per row, {rate * len(rows):.1f} in all"
-        line += f", over {counted(stats.decode_steps, 'step')}"
-    return line + "."
 
 
 def counted(number: int, noun: str) -> str:
@@ -620,6 +612,8 @@ def parse_args(argv=None, description: str = __doc__, prompts: bool = True) -> a
     if prompts:
         parser.add_argument("--prompt", action="append", help="repeat it for a batch, a row each")
         parser.add_argument("--chat", action="store_true", help="wrap each in the chat template")
+        parser.add_argument("--draft-checkpoint", help="speculative decoding: the draft model's")
+        parser.add_argument("--speculate-k", type=positive, help="tokens drafted a round (4)")
     parser.add_argument("--system", help="the system message (generate.py: with --chat)")
     parser.add_argument("--no-think", action="store_true",
                         help="answer without a thinking block (generate.py: with --chat)")
@@ -680,6 +674,7 @@ def run(argv) -> None:
     args = parse_args(argv)
     texts = args.prompt or []
     require(texts and all(text.strip() for text in texts), "empty prompt: give --prompt TEXT")
+    require(args.draft_checkpoint or not args.speculate_k, "--speculate-k: with --draft-checkpoint")
     # torchrun: this process is one rank of the model
     split = tp.start(args.device) if tp and tp.launched() else None
     # Under torchrun, rank 0 alone says what happens
@@ -697,23 +692,29 @@ def run(argv) -> None:
     # run with another prompt or --max-new-tokens then finds it in inductor's cache
     needed = max(map(len, prompts)) + args.max_new_tokens
     capacity = args.cache_len or bucket(needed, checkpoint.model.args.max_position_embeddings)
-    gen = Generator(checkpoint.model, batch=len(prompts), capacity=capacity, sampling=sampling,
-                    compile=args.compile, cuda_graph=args.cuda_graph)
-    stream = TextStream(checkpoint.tokenizer.decode, args.prompt)
+    if args.draft_checkpoint:
+        speculative = optional("speculative", "--draft-checkpoint")
+        gen = speculative.from_args(args, checkpoint.model, capacity, sampling)
+    else:
+        gen = Generator(checkpoint.model, batch=len(prompts), capacity=capacity, sampling=sampling,
+                        compile=args.compile, cuda_graph=args.cuda_graph)
+    stream = TextStream(checkpoint.tokenizer.decode)
     # Ctrl-C in the decode loop ends it: what was generated so far is returned
     rows, stats = gen.generate(prompts, max_new=args.max_new_tokens, stop_ids=stop_ids,
                                check_every=args.check_every, on_tokens=stream)
-    stream.finish()
+    stream.finish(rows, args.prompt)
     # No flag on a GPU: kernels launched one by one from Python, many times slower
     eager = args.device.type == "cuda" and not (args.compile or args.cuda_graph)
     hint = " Eager: --cuda-graph or --compile decode many times faster." if eager else ""
     if talks:
-        print(report(stats, rows) + hint, file=sys.stderr)
+        print(stats.report(rows) + hint, file=sys.stderr)
     if stats.interrupted:
         sys.exit(130)
 
 
 if __name__ == "__main__":
-    main()
+    # As the module that speculative.py imports: one Generator, one SamplingParams
+    import generate
+    generate.main()
     # Under torchrun a rank that succeeded ends here (tp.exit_now says why)
     tp and tp.exit_now()

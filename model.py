@@ -119,8 +119,8 @@ def rope_tables(args: ModelArgs, positions: int) -> tuple[Tensor, Tensor]:
     """cos and sin (positions, head_dim) of each position's angles, both halves alike. The angles
     in fp32 as transformers computes them (a product, not a matmul)."""
     inv_freq, scale = rope_frequencies(args)
-    steps = torch.arange(positions, dtype=torch.float)
-    angles = steps[:, None] * inv_freq.repeat(2)
+    # (positions, head_dim)
+    angles = torch.arange(positions, dtype=torch.float)[:, None] * inv_freq.repeat(2)
     return angles.cos() * scale, angles.sin() * scale
 
 

@@ -5,24 +5,28 @@ tokens; sampled, draws from the target's distribution (after its temperature, to
 A round never waits for the host: acceptance is decided on the device, and the positions past a
 row's accepted tokens are simply written over in the next round, as the static cache allows.
 
+    python generate.py --cuda-graph --checkpoint TARGET --draft-checkpoint DRAFT --prompt "..."
+
     import generate
-    target, draft = generate.load(path, "cuda"), generate.load(draft_path, "cuda")
-    sampling = target.sampling  # generation_config.json's; or generate.SamplingParams(...)
-    # cuda_graph: each round one CUDA graph; the draft's steps are captured in the target's
-    made = [generate.Generator(checkpoint.model, batch=1, capacity=1024, sampling=sampling,
-                               cuda_graph=checkpoint is target) for checkpoint in (target, draft)]
+    target = generate.load(path, "cuda")
+    draft = generate.load_model(draft_path, "cuda")
+    # A Generator of one row whose decode step is a round: eager, a CUDA graph, or compiled
+    spec = Speculator(target.model, draft, k=4, capacity=1024, sampling=target.sampling,
+                      cuda_graph=True)
     prompt = target.tokenizer.encode("def fibonacci(n):")
-    tokens, stats = Speculator(*made, sampling, k=4).generate(prompt, max_new=200,
-                                                              stop_ids=target.stop_ids)
-    print(target.tokenizer.decode(tokens), stats.acceptance)
+    [tokens], stats = spec.generate([prompt], max_new=200, stop_ids=target.stop_ids)
+    print(target.tokenizer.decode(tokens), stats.report([tokens]))
 """
+import pathlib
 import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from generate import CUDAGraphs, Generator, SamplingParams, require, top_candidates
+from generate import (GenerationStats, Generator, SamplingParams, load_model, require,
+                      top_candidates, tp)
+from model import Transformer
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -83,12 +87,12 @@ def draw(weights: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 @dataclass
-class SpeculationStats:
-    rounds: int
+class SpeculationStats(GenerationStats):
+    rounds: int = 0
     # Tokens each round kept, summed over the rounds: the accepted drafts and the target's
-    kept: int
+    kept: int = 0
     # The rounds that accepted all k drafts
-    full: int
+    full: int = 0
 
     @property
     def acceptance(self) -> float:
@@ -98,44 +102,62 @@ class SpeculationStats:
         accepted = self.kept - self.rounds
         return accepted / max(1, accepted + self.rounds - self.full)
 
+    def report(self, rows: list[list[int]]) -> str:
+        kept = self.kept / max(1, self.rounds)
+        return (f"{super().report(rows)} Drafts: {kept:.2f} tokens kept a round, "
+                f"{self.acceptance:.1%} of those checked accepted.")
 
-class Speculator:
-    """Decodes one prompt with `target` (a Generator), its drafts from `draft` (a Generator of a
-    model with the target's vocabulary and the same capacity), both of which must be made with
-    `sampling`: rounds of k drafted tokens, each checked by one step of the target of k + 1
-    tokens (at most 16: the fast path's steps). Where the target is made with cuda_graph, each
-    round is replayed as one CUDA graph (a graph an attended length); otherwise it runs eagerly."""
 
-    def __init__(self, target: Generator, draft: Generator, sampling: SamplingParams, k: int = 4):
+class Speculator(Generator):
+    """A Generator of one row whose decode step is a speculative round: the draft model (of the
+    target's vocabulary) proposes k tokens, one by one, and the target checks them in one step of
+    k + 1 tokens (at most 16: the fast path's steps); the row keeps the accepted prefix and one
+    token of the target's. Every mode of the Generator serves it: eager, a round a CUDA graph
+    (cuda_graph), or a round compiled as a whole (compile). The draft runs inside the round, with
+    the fast path where the target has it."""
+
+    def __init__(self, model: Transformer, draft: Transformer, *, k: int, capacity: int,
+                 sampling: SamplingParams, **modes):
         require(type(k) is int and 1 <= k <= 15, f"k {k!r}: 1 to 15 drafted tokens a round")
-        vocabs = target.model.args.vocab_size, draft.model.args.vocab_size
+        vocabs = model.args.vocab_size, draft.args.vocab_size
         require(vocabs[0] == vocabs[1], f"a draft of {vocabs[1]} tokens for a target of "
                 f"{vocabs[0]}: the draft needs the target's tokenizer")
-        require(target.capacity == draft.capacity, "the draft's capacity must be the target's")
         # A step reads every weight once: a draft heavier than the target makes a round cost
         # more than the plain steps it replaces
-        weights = [sum(t.nbytes for t in g.model.state_dict().values()) for g in (target, draft)]
+        weights = [sum(t.nbytes for t in m.state_dict().values()) for m in (model, draft)]
         if weights[1] > weights[0]:
-            warnings.warn(f"the draft's weights ({weights[1]:,} bytes) outweigh the target's "
-                          f"({weights[0]:,}): its rounds will be slower than plain decoding",
+            warnings.warn("the draft outweighs the target: slower than plain decoding",
                           stacklevel=2)
-        self.target, self.draft, self.k, self.params = target, draft, k, sampling
-        # (2,) the tokens the rounds kept, and the rounds that accepted every draft
-        self.counts = torch.zeros(2, dtype=torch.long, device=target.state.tokens.device)
-        self.step = self.round
-        if target.graphed:
-            self.step = CUDAGraphs(self.round)
+        # Room for a round's k tokens past the capacity
+        super().__init__(model, batch=1, capacity=capacity + k, sampling=sampling, **modes)
+        self.draft = Generator(draft, batch=1, capacity=capacity + k, sampling=sampling,
+                               use_kernels=modes.get("use_kernels"))
+        self.k = k
+        self.params = sampling
+        self.step_tokens = k + 1
+        # (3,) SpeculationStats' rounds, kept and full
+        self.counts = self.state.tokens.new_zeros(3)
+        if self.compiled:
+            # cudagraph trees: an input, not a copy
+            torch._dynamo.mark_static_address(self.counts)
 
-    def round(self, kv_positions: torch.Tensor) -> None:
-        """One round for row 0, device-side only: the draft's k + 1 one-token steps from the row's
-        token (the last writes drafted token k's key, which the next round may attend to), the
-        target's step of k + 1 tokens, then the kept tokens into the target's state and their
-        count into self.counts. kv_positions: the attended prefix of the cache (its length alone
-        is read), as in Generator.decode_one_token."""
-        state = self.target.state
+    def prefill(self, prompts: list[list[int]], start: int = 0) -> None:
+        """The prompt into both models' caches."""
+        super().prefill(prompts, start)
+        self.draft.prefill(prompts, start)
+
+    def decode_one_token(self, kv_positions: torch.Tensor) -> None:
+        """One round, device-side only: the draft's k + 1 one-token steps from the row's token
+        (the last writes drafted token k's key, which the next round may attend to), the target's
+        step of k + 1 tokens, then the kept tokens into the target's state and the counts.
+        kv_positions: the attended prefix of the cache (its length alone is read)."""
+        state = self.state
         kv_len = len(kv_positions)
-        tokens, positions = state.tokens[:1], state.positions[:1]
-        drafted, draft_probs = [], []
+        tokens = state.tokens
+        positions = state.positions
+        # The k drafted tokens, each (1, 1), and the draft's distributions they came from
+        drafted = []
+        draft_probs = []
         for i in range(self.k + 1):
             logits = self.draft.forward_step(tokens, positions + i, kv_len)[:, -1]
             if i < self.k:
@@ -144,44 +166,37 @@ class Speculator:
                 tokens = draw(draft_probs[-1], self.params)[:, None]
                 drafted.append(tokens)
         drafted = torch.cat(drafted, dim=1)
-        checked = torch.cat([state.tokens[:1], drafted], dim=1)
+        checked = torch.cat([state.tokens, drafted], dim=1)
         offsets = torch.arange(self.k + 1, device=positions.device)
-        logits = self.target.forward_step(checked, positions + offsets, kv_len)
+        logits = self.forward_step(checked, positions + offsets, kv_len)
         draft_probs = torch.stack(draft_probs, 1)
         round_tokens, kept = accept(logits, drafted, draft_probs, self.params)
         # Every token of the round at the positions after the row's; those past the kept ones
         # are written over by the next round
-        state.sequences[:1].scatter_(1, positions + 1 + offsets, round_tokens)
-        state.tokens[:1] = round_tokens.gather(1, kept[:, None] - 1)
-        state.positions[:1] += kept[:, None]
-        self.counts += torch.cat([kept, kept == self.k + 1])
+        state.sequences.scatter_(1, positions + 1 + offsets, round_tokens)
+        state.tokens.copy_(round_tokens.gather(1, kept[:, None] - 1))
+        state.positions.add_(kept[:, None])
+        self.counts += torch.cat([torch.ones_like(kept), kept, kept == self.k + 1])
 
-    @torch.no_grad()
-    def generate(self, prompt: list[int], *, max_new: int, stop_ids: set,
-                 check_every: int = 16) -> tuple[list[int], SpeculationStats]:
-        """The prompt's new tokens, cut at max_new and before the first stop token, and the
-        rounds' counts. Between checks, rounds of about check_every tokens' worth of steps (at
-        least one round); each check is one sync."""
-        require(len(prompt) + max_new + self.k + 2 <= self.target.capacity,
-                "the prompt, max_new and a round's k + 1 tokens must fit the capacity")
-        self.target.prefill([prompt])
-        self.draft.prefill([prompt])
-        start = len(prompt)
-        produced, rounds = 1, 0
+    def generate(self, prompts, *, max_new: int, start: int = 0, **options):
+        """Generator.generate of one prompt, its stats a SpeculationStats."""
+        self.check_prompts(prompts)
+        # Its last round may write k tokens past max_new
+        require(start + len(prompts[0]) + max_new + self.k <= self.capacity,
+                "the prompt and max_new must fit the capacity")
         self.counts.zero_()
-        while True:
-            # The last rounds may overshoot max_new
-            new = self.target.state.sequences[0, start:start + produced].tolist()[:max_new]
-            ends = [i for i, token in enumerate(new) if token in stop_ids]
-            if ends or produced >= max_new:
-                new = new[:ends[0]] if ends else new
-                kept, full = self.counts.tolist()
-                return new, SpeculationStats(rounds, kept, full)
-            # Rounds of at least one token each: none past max_new + k tokens
-            count = max(1, min(check_every, max_new - produced) // (self.k + 1))
-            # The attended prefix: every position these rounds may write
-            kv_positions = self.target.attended(start + produced + count * (self.k + 1))
-            for _ in range(count):
-                self.step(kv_positions)
-            rounds += count
-            produced = int(self.target.state.positions[0, 0]) - start + 1
+        rows, stats = super().generate(prompts, max_new=max_new, start=start, **options)
+        return rows, SpeculationStats(*vars(stats).values(), *self.counts.tolist())
+
+
+def from_args(args, model: Transformer, capacity: int, sampling) -> Speculator:
+    """generate.py's --draft-checkpoint and --speculate-k (4 by default): a Speculator of one
+    --prompt in the mode the flags ask, its draft on the target's device in its dtype."""
+    require(len(args.prompt) == 1, "--draft-checkpoint takes one --prompt")
+    require(not (tp and tp.launched()), "--draft-checkpoint: not under torchrun")
+    paths = args.checkpoint, args.draft_checkpoint
+    draft = load_model(paths[1], args.device, args.dtype)
+    tokenizers = {pathlib.Path(path, "tokenizer.json").read_bytes() for path in paths}
+    require(len(tokenizers) == 1, f"{paths[1]}: not the target's tokenizer")
+    return Speculator(model, draft, k=args.speculate_k or 4, capacity=capacity,
+                      sampling=sampling, compile=args.compile, cuda_graph=args.cuda_graph)

@@ -386,6 +386,12 @@ def generator(path, batch=1, capacity=512, sampling=GREEDY, device="cpu", dtype=
     return G.Generator(model, batch=batch, capacity=capacity, sampling=sampling, **flags)
 
 
+def speculator(target, draft, k, capacity=128, sampling=GREEDY, device="cpu", **flags):
+    """A Speculator of two checkpoints' models in fp32; flags as generator's."""
+    models = [G.load_model(path, device, torch.float32) for path in (target, draft)]
+    return S.Speculator(*models, k=k, capacity=capacity, sampling=sampling, **flags)
+
+
 def greedy(path, prompts, max_new=24, check_every=5, stop_ids=(), capacity=512, **kw):
     gen = generator(path, batch=len(prompts), capacity=capacity, **kw)
     return gen.generate(prompts, max_new=max_new, stop_ids=set(stop_ids),
@@ -836,7 +842,7 @@ def test_the_card_files_work_without_the_fast_path(tiny, tmp_path):
     # int8 needs quantize.py: one line, nothing written
     r = run_process(script, "--checkpoint-dir", str(tmp_path / "hf"), "--quantize", "int8",
                     cwd=tmp_path, env=env)
-    assert r.returncode == 1 and r.stderr == "error: int8 needs quantize.py beside this file\n"
+    assert r.returncode == 1 and r.stderr == "error: int8 needs quantize.py\n"
     assert not (tmp_path / "hf" / "converted-int8").exists()
     shutil.copytree(tmp_path / "hf" / "converted", tmp_path / "int8")
     edit_json(tmp_path / "int8" / "config.json", quantization="int8")
@@ -1277,7 +1283,7 @@ def test_convert_refuses_a_snapshot_without_a_tokenizer_or_quantized(snapshot, c
     cfg = json.load(open(snapshot / "config.json"))
     json.dump({**cfg, "quantization_config": {"quant_method": "fp8"}},
               open(snapshot / "config.json", "w"))
-    assert "a quantized snapshot: convert the bf16 one" in convert_error(argv, capsys)
+    assert "is quantized: convert the bf16 snapshot" in convert_error(argv, capsys)
     json.dump(cfg, open(snapshot / "config.json", "w"))
     (snapshot / "tokenizer.json").unlink()
     assert "tokenizer.json: no readable tokenizer" in convert_error(argv, capsys)
@@ -1841,19 +1847,19 @@ def test_each_new_attended_length_warms_up_apart(tiny):
     _, stats = gen.generate([prompt], max_new=20, stop_ids=set(), check_every=8,
                             on_tokens=lambda rows: seen.append(len(rows[0])))
     # Warm-ups: the step that makes token 2 (attending to 64) and token 6 (to 128)
-    assert seen == [1, 2, 5, 6, 14, 20] and stats.decode_steps == 17 and stats.warmup_s > 0
+    assert seen == [1, 2, 5, 6, 14, 20] and stats.decode_tokens == 17 and stats.warmup_s > 0
     # Once warm nothing compiles again: torch raises at a recompilation
     with torch.compiler.set_stance("fail_on_recompile"):
         _, again = gen.generate([prompt], max_new=20, stop_ids=set(), check_every=8)
-    assert again.decode_steps == 19 and again.warmup_s == 0
+    assert again.decode_tokens == 19 and again.warmup_s == 0
     seen.clear()
     _, stats = generator(tiny, capacity=256).generate(
         [prompt], max_new=20, stop_ids=set(), check_every=8,
         on_tokens=lambda rows: seen.append(len(rows[0])))
-    assert seen == [1, 5, 13, 20] and stats.decode_steps == 19 and stats.warmup_s == 0
-    assert "compiling or capturing" not in G.report(stats, [[1] * 20])
+    assert seen == [1, 5, 13, 20] and stats.decode_tokens == 19 and stats.warmup_s == 0
+    assert "compiling or capturing" not in stats.report([[1] * 20])
     _, stats = generator(tiny).generate([[1, 2, 3]], max_new=1, stop_ids=set())
-    assert stats.decode_steps == 0 and stats.warmup_s == 0 and stats.decode_s == 0
+    assert stats.decode_tokens == 0 and stats.warmup_s == 0 and stats.decode_s == 0
 
 
 @needs_cuda
@@ -1867,7 +1873,7 @@ def test_cuda_compiled_lengths_warm_up_over_two_steps(tiny):
     _, stats = gen.generate([prompt], max_new=20, stop_ids=set(), check_every=8,
                             on_tokens=lambda rows: seen.append(len(rows[0])))
     # Warm-ups: the steps that make tokens 2 and 3 (attending to 64), 6 and 7 (to 128)
-    assert seen == [1, 3, 5, 7, 15, 20] and stats.decode_steps == 15 and stats.warmup_s > 0
+    assert seen == [1, 3, 5, 7, 15, 20] and stats.decode_tokens == 15 and stats.warmup_s > 0
 
 
 def test_ctrl_c_in_the_decode_loop_returns_what_was_made(tiny):
@@ -2051,7 +2057,7 @@ def test_cuda_graph_capture_changes_no_state(checkpoint, request):
             gen.prefill([[1, 2, 3, 4]])
             states.append(state(gen))
         for _ in range(3):  # warm-up and capture, then replays
-            gen.decode_step(gen.attended(8))
+            gen.decode_step(gen.model.key_positions[:64])  # bucket(8)
             states.append(state(gen))
     for eager, graphed in zip(states[:5], states[5:], strict=True):
         assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
@@ -2146,6 +2152,32 @@ def test_cli_stop_ids(tiny):
     assert r.stdout == tok.decode(ids[:ids.index(stop)]) + "\n"
 
 
+def test_cli_draft_checkpoint_gives_the_plain_text_and_says_what_was_accepted(tiny, tiny_moe,
+                                                                              tmp_path):
+    """--draft-checkpoint: speculative rounds give the plain command's greedy text (fp32), with
+    --speculate-k's k too, and the report says how many drafts were kept. Refused in one line:
+    --speculate-k alone, two prompts, a draft of another tokenizer, no speculative.py."""
+    flags = ["--device", "cpu", "--checkpoint", tiny_moe, "--prompt", "hello world",
+             "--max-new-tokens", "24", "--temperature", "0"]
+    plain = cli(*flags)
+    for k in ([], ["--speculate-k", "2"]):
+        r = cli(*flags, "--draft-checkpoint", tiny, *k)
+        assert r.returncode == 0 and r.stdout == plain.stdout, r.stderr
+        assert "tokens kept a round" in r.stderr and "in 1 row" in plain.stderr
+    one_line_error(cli(*flags, "--speculate-k", "2"), "--speculate-k: with --draft-checkpoint")
+    two = cli(*flags, "--prompt", "hi", "--draft-checkpoint", tiny)
+    one_line_error(two, "--draft-checkpoint takes one --prompt")
+    other = tmp_path / "other"
+    shutil.copytree(tiny, other)
+    (other / "tokenizer.json").write_text((other / "tokenizer.json").read_text() + " ")
+    one_line_error(cli(*flags, "--draft-checkpoint", str(other)), "not the target's tokenizer")
+    # Without speculative.py (as if deleted): one line
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(sys.modules, "speculative", None)
+        missing = cli(*flags, "--draft-checkpoint", tiny)
+    one_line_error(missing, "--draft-checkpoint needs speculative.py")
+
+
 def test_text_stream_holds_back_split_characters(tiny, monkeypatch):
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(os.path.join(tiny, "tokenizer.json"))
@@ -2155,11 +2187,11 @@ def test_text_stream_holds_back_split_characters(tiny, monkeypatch):
     assert any(decode(ids[:i]).endswith("\ufffd") for i in range(len(ids)))
     buf = io.StringIO()
     monkeypatch.setattr(sys, "stdout", buf)  # replaced after import: the stream finds it
-    stream = G.TextStream(decode, ["the prompt"])
+    stream = G.TextStream(decode)
     for i in range(1, len(ids) + 1):
         stream([ids[:i]])
         assert "\ufffd" not in buf.getvalue()
-    stream.finish()
+    stream.finish([ids], ["the prompt"])
     assert buf.getvalue() == decode(ids) + "\n" == "hello 🦙 world ñ\n"
 
 
@@ -2452,17 +2484,23 @@ def test_eos_comes_from_config_json_too(tiny, tmp_path):
 
 
 def test_report_says_what_a_user_can_act_on():
-    stats = G.GenerationStats(prefill_s=0.05, warmup_s=2.0, decode_s=0.5, decode_steps=50)
-    assert G.report(stats, [[1] * 30, [2] * 52]) == (
+    stats = G.GenerationStats(prefill_s=0.05, warmup_s=2.0, decode_s=0.5, decode_tokens=50)
+    assert stats.report([[1] * 30, [2] * 52]) == (
         "82 new tokens in 2 rows. Time to first token 0.050 s; compiling or capturing decode steps "
-        "2.00 s; then 100.0 tok/s per row, 200.0 in all, over 50 steps.")
-    one = G.GenerationStats(prefill_s=0.05, warmup_s=0.0, decode_s=0.0, decode_steps=0)
-    assert G.report(one, [[1]]) == "1 new token in 1 row. Time to first token 0.050 s."
-    once = G.GenerationStats(prefill_s=0.05, warmup_s=0.1, decode_s=0.01, decode_steps=1,
+        "2.00 s; then 100.0 tok/s per row, 200.0 in all, over 50 tokens a row.")
+    one = G.GenerationStats(prefill_s=0.05, warmup_s=0.0, decode_s=0.0, decode_tokens=0)
+    assert one.report([[1]]) == "1 new token in 1 row. Time to first token 0.050 s."
+    once = G.GenerationStats(prefill_s=0.05, warmup_s=0.1, decode_s=0.01, decode_tokens=1,
                              interrupted=True)
-    assert G.report(once, [[1, 2, 3]]) == (
+    assert once.report([[1, 2, 3]]) == (
         "Interrupted: 3 new tokens in 1 row. Time to first token 0.050 s; compiling or capturing "
-        "decode steps 0.10 s; then 100.0 tok/s per row, 100.0 in all, over 1 step.")
+        "decode steps 0.10 s; then 100.0 tok/s per row, 100.0 in all, over 1 token a row.")
+    # Speculative rounds: 35 tokens kept in 10 rounds, 25 drafts accepted of the 30 checked
+    rounds = S.SpeculationStats(0.05, 0.0, 0.5, 34, rounds=10, kept=35, full=5)
+    assert rounds.report([[1] * 35]) == (
+        "35 new tokens in 1 row. Time to first token 0.050 s; then 68.0 tok/s per row, 68.0 in "
+        "all, over 34 tokens a row. Drafts: 3.50 tokens kept a round, 83.3% of those checked "
+        "accepted.")
 
 
 def test_cli_float16(tiny, capsys):
@@ -2503,7 +2541,7 @@ def test_the_first_check_comes_right_after_the_prefill(tiny):
                                check_every=8, on_tokens=lambda rows: seen.append(len(rows[0])))
     assert seen == [1, 9, 17, 20] and list(map(len, rows)) == [20, 20]
     # Eagerly every decode step is timed as one
-    assert stats.decode_steps == 19 and stats.prefill_s > 0 and stats.warmup_s == 0
+    assert stats.decode_tokens == 19 and stats.prefill_s > 0 and stats.warmup_s == 0
     seen.clear()
     gen.generate([[1, 2, 3]], max_new=1, stop_ids=set(), on_tokens=lambda rows: seen.append(rows))
     assert len(seen) == 1 and len(seen[0][0]) == 1
@@ -3340,13 +3378,12 @@ def test_speculative_greedy_is_the_targets_own(target, draft, request):
     prompt = [1, 2, 3, 4, 5]
     plain = greedy(target, [prompt], max_new=40, capacity=128)[0]
     for k in (1, 4):
-        spec = S.Speculator(generator(target, capacity=128), generator(draft, capacity=128),
-                            GREEDY, k=k)
-        tokens, stats = spec.generate(prompt, max_new=40, stop_ids=set())
-        assert tokens == plain
+        spec = speculator(target, draft, k)
+        tokens, stats = spec.generate([prompt], max_new=40, stop_ids=set())
+        assert tokens == [plain]
         assert stats.kept >= 39 and (stats.acceptance == 1.0) == (draft == target)
         # A round that overshoots max_new is cut
-        assert spec.generate(prompt, max_new=3, stop_ids=set())[0] == plain[:3]
+        assert spec.generate([prompt], max_new=3, stop_ids=set())[0] == [plain[:3]]
 
 
 def test_speculative_sampled_with_itself_accepts_every_draft(tiny):
@@ -3354,58 +3391,66 @@ def test_speculative_sampled_with_itself_accepts_every_draft(tiny):
     of two forwards); the text stops at a stop token as generate's does."""
     sampling = G.SamplingParams(temperature=1.0, top_k=50)
     torch.manual_seed(0)
-    spec = S.Speculator(generator(tiny, capacity=128, sampling=sampling),
-                        generator(tiny, capacity=128, sampling=sampling), sampling, k=3)
-    tokens, stats = spec.generate([1, 2, 3], max_new=40, stop_ids=set())
+    spec = speculator(tiny, tiny, 3, sampling=sampling)
+    [tokens], stats = spec.generate([[1, 2, 3]], max_new=40, stop_ids=set())
     assert len(tokens) == 40 and stats.acceptance > 0.99
     stop = tokens[5]
     torch.manual_seed(0)
-    spec.target.model.setup_cache(1, 129)
-    cut, _ = spec.generate([1, 2, 3], max_new=40, stop_ids={stop})
+    spec.model.setup_cache(1, 129)
+    [cut], _ = spec.generate([[1, 2, 3]], max_new=40, stop_ids={stop})
     assert cut == tokens[:tokens.index(stop)]
 
 
 @needs_cuda
 @pytest.mark.parametrize("target,draft", [("tiny", "tiny_moe"), ("tiny_moe", "tiny")])
-def test_cuda_speculative_rounds_as_graphs_give_the_eager_rounds_tokens(target, draft, request):
-    """A graphed target replays each round as one CUDA graph: from one seed the eager rounds'
-    tokens and counts, greedy (the target's plain greedy tokens) and sampled (fp32)."""
+def test_cuda_speculative_rounds_in_every_mode_give_the_eager_rounds_tokens(target, draft,
+                                                                          request):
+    """A graphed target replays each round as one CUDA graph, a compiled one runs it compiled: from
+    one seed the eager rounds' tokens and counts, greedy (the target's plain greedy tokens) and
+    sampled (fp32); no round waits for the host."""
     target, draft = request.getfixturevalue(target), request.getfixturevalue(draft)
     prompt = [1, 2, 3, 4, 5]
     plain = greedy(target, [prompt], max_new=40, capacity=128, device="cuda")[0]
     for sampling in (GREEDY, G.SamplingParams(temperature=0.8, top_k=20)):
-        runs = []
-        for graphed in (False, True):
+        runs = {}
+        for mode, flags in MODES.items():
+            torch._dynamo.reset()
             torch.manual_seed(0)
-            made = [generator(path, capacity=128, sampling=sampling, device="cuda",
-                              cuda_graph=graphed and path == target) for path in (target, draft)]
-            spec = S.Speculator(*made, sampling, k=3)
-            runs.append(spec.generate(prompt, max_new=40, stop_ids=set()))
-        assert runs[0] == runs[1]
-        assert sampling is not GREEDY or runs[1][0] == plain
+            spec = speculator(target, draft, 3, sampling=sampling, device="cuda", **flags)
+            if mode == "eager":  # no round waits for the host (graphed, none could)
+                spec.decode_step = no_host_sync(spec.decode_step)
+            rows, stats = spec.generate([prompt], max_new=40, stop_ids=set())
+            runs[mode] = rows, stats.kept, stats.full, stats.rounds
+        assert runs["graph"] == runs["eager"] == runs["compile"]
+        assert sampling is not GREEDY or runs["eager"][0] == [plain]
 
 
 def test_speculative_refuses_what_cannot_pair(tiny, tiny_moe):
-    """A draft of another vocabulary, a k out of 1 ... 15, a capacity unlike the target's, a
-    prompt that with max_new and a round does not fit: one line each; a draft heavier than the
-    target: a warning."""
-    target = generator(tiny, capacity=64)
+    """A draft of another vocabulary, a k out of 1 ... 15, more than one prompt, a prompt that
+    with max_new does not fit, the command's flags under torchrun: one line each; a draft heavier
+    than the target: a warning."""
+    target = G.load_model(tiny)
     args = ModelArgs(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=300)
-    other = G.Generator(M.Transformer(args), batch=1, capacity=64, sampling=GREEDY)
+    other = M.Transformer(args)
     with pytest.raises(UserError, match="a draft of 300 tokens for a target of 512"):
-        S.Speculator(target, other, GREEDY)
+        S.Speculator(target, other, k=4, capacity=64, sampling=GREEDY)
     for k in (0, 16, 2.0):
         with pytest.raises(UserError, match="1 to 15 drafted tokens"):
-            S.Speculator(target, generator(tiny, capacity=64), GREEDY, k=k)
-    with pytest.raises(UserError, match="capacity must be the target's"):
-        S.Speculator(target, generator(tiny, capacity=32), GREEDY)
-    spec = S.Speculator(target, generator(tiny, capacity=64), GREEDY, k=4)
+            S.Speculator(target, target, k=k, capacity=64, sampling=GREEDY)
+    spec = S.Speculator(target, G.load_model(tiny), k=4, capacity=64, sampling=GREEDY)
+    with pytest.raises(UserError, match="give a list of 1 to 1 prompts"):
+        spec.generate([[1], [2]], max_new=4, stop_ids=set())
     with pytest.raises(UserError, match="must fit the capacity"):
-        spec.generate([1] * 20, max_new=40, stop_ids=set())
+        spec.generate([[1] * 25], max_new=40, stop_ids=set())
     # A draft of more bytes than the target: a warning, the rounds still exact
-    with pytest.warns(UserWarning, match=r"the draft's weights \(.*\) outweigh the target's"):
-        S.Speculator(target, generator(tiny_moe, capacity=64), GREEDY)
+    with pytest.warns(UserWarning, match="the draft outweighs the target"):
+        S.Speculator(target, G.load_model(tiny_moe), k=4, capacity=64, sampling=GREEDY)
+    # generate.py's --draft-checkpoint under torchrun (a rank's environment)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LOCAL_RANK", "0")
+        with pytest.raises(UserError, match="--draft-checkpoint: not under torchrun"):
+            S.from_args(types.SimpleNamespace(prompt=["hi"]), target, 64, GREEDY)
 
 
 # ---------------------------------------------------------------- the line budget

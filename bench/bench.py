@@ -324,7 +324,7 @@ def step_ms(model: Transformer, rows: int, tokens_a_row: int, history: int, cach
 
 
 def speculate(a: argparse.Namespace) -> list:
-    """speculative.py's rounds as CUDA graphs (its target a cuda_graph Generator) against the
+    """speculative.py's rounds as CUDA graphs (a cuda_graph Speculator) against the
     target's plain graphed decoding, batch 1: tok/s from two lengths as decode's, the drafts'
     acceptance and tokens a round; and the cost model: a round's k + 1 draft steps and one verify
     step of k + 1 tokens, in plain steps, with the speedup they imply at acceptance 0.5 to 0.9
@@ -366,9 +366,10 @@ def speculate(a: argparse.Namespace) -> list:
     plain_tok_s = {"target": plain_rate(target), "draft": plain_rate(draft)}
     verify_ms = step_ms(target, 1, a.k + 1, a.prompt + (a.n1 + a.n2) // 2, a.cache)
     # The graphs above are of caches that a new Generator replaces: never replayed again
-    spec = speculative.Speculator(generator(target, True), generator(draft, False), sampling, a.k)
-    tok_s = rate(lambda n: spec.generate(prompt, max_new=n, stop_ids=set()))
-    stats = spec.generate(prompt, max_new=a.n2, stop_ids=set())[1]
+    spec = speculative.Speculator(target, draft, k=a.k, capacity=a.cache, sampling=sampling,
+                                  cuda_graph=True)
+    tok_s = rate(lambda n: spec.generate([prompt], max_new=n, stop_ids=set()))
+    stats = spec.generate([prompt], max_new=a.n2, stop_ids=set())[1]
     plain_ms = 1e3 / plain_tok_s["target"]
     round_steps = ((a.k + 1) * 1e3 / plain_tok_s["draft"] + verify_ms) / plain_ms
     model_speedup = {f"{p:.1f}": round((1 - p ** (a.k + 1)) / (1 - p) / round_steps, 2)
