@@ -88,6 +88,9 @@ def draw(weights: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 @dataclass
 class SpeculationStats(GenerationStats):
+    """A Speculator's GenerationStats (its decode_tokens: the tokens its rounds made), and the
+    rounds' counts."""
+    # Every round run, the warm-ups' too
     rounds: int = 0
     # Tokens each round kept, summed over the rounds: the accepted drafts and the target's
     kept: int = 0
@@ -103,6 +106,7 @@ class SpeculationStats(GenerationStats):
         return accepted / max(1, accepted + self.rounds - self.full)
 
     def report(self, rows: list[list[int]]) -> str:
+        """GenerationStats' line, then the rounds': tokens kept a round, the drafts accepted."""
         kept = self.kept / max(1, self.rounds)
         return (f"{super().report(rows)} Drafts: {kept:.2f} tokens kept a round, "
                 f"{self.acceptance:.1%} of those checked accepted.")
