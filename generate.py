@@ -203,7 +203,8 @@ class Generator:
     batch of 16, the top-k draw); by default, wherever it can (CUDA, with qwen3_triton.py and
     Triton). The two steps, prefill_prompts and decode_one_token, run eagerly; or with compile,
     the decode step under torch.compile (reduce-overhead: inductor's code in its CUDA graphs); or
-    with cuda_graph, both as our CUDA graphs."""
+    with cuda_graph, both as our CUDA graphs. A subclass may give its decode step more tokens a row
+    (step_tokens; speculative.py's rounds): the loop reads each check's tokens from the state."""
 
     def __init__(self, model: Transformer, *, batch: int, capacity: int, sampling: SamplingParams,
                  use_kernels: bool | None = None, compile: bool = False, cuda_graph: bool = False):
