@@ -3386,6 +3386,22 @@ def test_speculative_greedy_is_the_targets_own(target, draft, request):
         assert spec.generate([prompt], max_new=3, stop_ids=set())[0] == [plain[:3]]
 
 
+def test_speculative_continues_a_row_as_the_generator_does(tiny):
+    """generate(start=n), as chat.py continues a conversation: the prompt after the n tokens that
+    both caches keep from the call before gives the plain Generator's greedy tokens; a draft that
+    is the target holds the target's keys for both prompts, and has every draft accepted."""
+    first, second = [5, 3, 9, 27, 4], [11, 2, 8, 30]
+    spec = speculator(tiny, tiny, 3)
+    runs = []
+    for gen in (generator(tiny, capacity=128), spec):
+        gen.generate([first], max_new=1, stop_ids=set())
+        runs.append(gen.generate([second], max_new=30, stop_ids=set(), start=len(first)))
+    assert runs[0][0] == runs[1][0] and len(runs[0][0][0]) == 30
+    assert runs[1][1].acceptance == 1.0
+    keys = [m.layers[0].self_attn.kv_cache.k[0, :, :9] for m in (spec.model, spec.draft.model)]
+    assert torch.equal(*keys)
+
+
 def test_speculative_sampled_with_itself_accepts_every_draft(tiny):
     """Sampled, a draft that is the target itself is always accepted (p / q = 1, to the rounding
     of two forwards); the text stops at a stop token as generate's does."""
