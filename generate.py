@@ -675,7 +675,7 @@ def run(argv) -> None:
     args = parse_args(argv)
     texts = args.prompt or []
     require(texts and all(text.strip() for text in texts), "empty prompt: give --prompt TEXT")
-    require(args.draft_checkpoint or not args.speculate_k, "--speculate-k: with --draft-checkpoint")
+    require(args.draft_checkpoint or not args.speculate_k, "--speculate-k needs --draft-checkpoint")
     # torchrun: this process is one rank of the model
     split = tp.start(args.device) if tp and tp.launched() else None
     # Under torchrun, rank 0 alone says what happens

@@ -8,11 +8,14 @@ row's accepted tokens are simply written over in the next round, as the static c
     python generate.py --cuda-graph --checkpoint TARGET --draft-checkpoint DRAFT --prompt "..."
 
     import generate
+    import speculative
     target = generate.load(path, "cuda")
     draft = generate.load_model(draft_path, "cuda")
-    # A Generator of one row whose decode step is a round: eager, a CUDA graph, or compiled
-    spec = Speculator(target.model, draft, k=4, capacity=1024, sampling=target.sampling,
-                      cuda_graph=True)
+    # A Generator of one row whose decode step is a round: eager, a CUDA graph (CUDA only), or
+    # compiled. target.sampling: generation_config.json's (Qwen3's sample); greedy:
+    # generate.SamplingParams()
+    spec = speculative.Speculator(target.model, draft, k=4, capacity=1024,
+                                  sampling=target.sampling, cuda_graph=True)
     prompt = target.tokenizer.encode("def fibonacci(n):")
     [tokens], stats = spec.generate([prompt], max_new=200, stop_ids=target.stop_ids)
     print(target.tokenizer.decode(tokens), stats.report([tokens]))
@@ -108,8 +111,8 @@ class SpeculationStats(GenerationStats):
     def report(self, rows: list[list[int]]) -> str:
         """GenerationStats' line, then the rounds': tokens kept a round, the drafts accepted."""
         kept = self.kept / max(1, self.rounds)
-        return (f"{super().report(rows)} Drafts: {kept:.2f} tokens kept a round, "
-                f"{self.acceptance:.1%} of those checked accepted.")
+        return (f"{super().report(rows)} Drafts: {kept:.2f} tokens kept a round; "
+                f"{self.acceptance:.1%} accepted of those checked (up to a rejection).")
 
 
 class Speculator(Generator):
@@ -122,7 +125,7 @@ class Speculator(Generator):
 
     def __init__(self, model: Transformer, draft: Transformer, *, k: int, capacity: int,
                  sampling: SamplingParams, **modes):
-        require(type(k) is int and 1 <= k <= 15, f"k {k!r}: 1 to 15 drafted tokens a round")
+        require(type(k) is int and 1 <= k <= 15, f"k {k!r}: 1 to 15 drafted tokens (--speculate-k)")
         vocabs = model.args.vocab_size, draft.args.vocab_size
         require(vocabs[0] == vocabs[1], f"a draft of {vocabs[1]} tokens for a target of "
                 f"{vocabs[0]}: the draft needs the target's tokenizer")

@@ -2164,7 +2164,7 @@ def test_cli_draft_checkpoint_gives_the_plain_text_and_says_what_was_accepted(ti
         r = cli(*flags, "--draft-checkpoint", tiny, *k)
         assert r.returncode == 0 and r.stdout == plain.stdout, r.stderr
         assert "tokens kept a round" in r.stderr and "in 1 row" in plain.stderr
-    one_line_error(cli(*flags, "--speculate-k", "2"), "--speculate-k: with --draft-checkpoint")
+    one_line_error(cli(*flags, "--speculate-k", "2"), "--speculate-k needs --draft-checkpoint")
     two = cli(*flags, "--prompt", "hi", "--draft-checkpoint", tiny)
     one_line_error(two, "--draft-checkpoint takes one --prompt")
     other = tmp_path / "other"
@@ -2499,8 +2499,8 @@ def test_report_says_what_a_user_can_act_on():
     rounds = S.SpeculationStats(0.05, 0.0, 0.5, 34, rounds=10, kept=35, full=5)
     assert rounds.report([[1] * 35]) == (
         "35 new tokens in 1 row. Time to first token 0.050 s; then 68.0 tok/s per row, 68.0 in "
-        "all, over 34 tokens a row. Drafts: 3.50 tokens kept a round, 83.3% of those checked "
-        "accepted.")
+        "all, over 34 tokens a row. Drafts: 3.50 tokens kept a round; 83.3% accepted of those "
+        "checked (up to a rejection).")
 
 
 def test_cli_float16(tiny, capsys):
