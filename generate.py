@@ -375,8 +375,8 @@ class Generator:
         first = start + len(prompts[0])
         while True:
             try:
-                # One sync a check: the tokens a row has made (a step may make more than max_new),
-                # then every row's tokens from `start` on
+                # One wait a check, for the steps queued: the tokens a row has made (a step may make
+                # more than max_new); then, copied at once, every row's tokens from `start` on
                 produced = min(max_new, int(self.state.positions[0, 0]) - first + 1)
                 tails = self.state.sequences[:len(prompts), start:longest + produced].tolist()
                 rows = [tail[len(prompt):][:produced]
