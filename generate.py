@@ -13,6 +13,7 @@ import pathlib
 import re
 import sys
 import time
+import weakref
 from dataclasses import dataclass
 
 try:
@@ -278,8 +279,13 @@ class Generator:
         self.prefill_step = self.prefill_prompts
         self.decode_step = self.decode_one_token
         if cuda_graph:
-            self.prefill_step = CUDAGraphs(self.prefill_prompts)
-            self.decode_step = CUDAGraphs(self.decode_one_token)
+            # The graphs' steps bound to a weak proxy of the Generator: bound to it, they would make
+            # a reference cycle, which Python's collector frees at any allocation, inside another
+            # Generator's capture too, ending that in a CUDA error. Uncycled, a Generator dropped
+            # is freed at once, its graphs' memory with it.
+            proxy = weakref.proxy(self)
+            self.prefill_step = CUDAGraphs(functools.partial(type(self).prefill_prompts, proxy))
+            self.decode_step = CUDAGraphs(functools.partial(type(self).decode_one_token, proxy))
         if compile:
             # torch._dynamo is imported here alone: it takes seconds
             for tensor in vars(self.state).values():

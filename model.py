@@ -145,8 +145,7 @@ class StaticKVCache(nn.Module):
 
     def __init__(self, slots: int, kv_heads: int, capacity: int, head_dim: int, dtype, device):
         super().__init__()
-        shape = (slots, kv_heads, capacity, head_dim)
-        k = torch.zeros(shape, dtype=dtype, device=device)
+        k = torch.zeros(slots, kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.register_buffer("k", k, persistent=False)
         self.register_buffer("v", torch.zeros_like(k), persistent=False)
 
@@ -346,13 +345,12 @@ class Transformer(nn.Module):
 
     def setup_cache(self, slots: int, capacity: int):
         """Allocates a StaticKVCache per layer and the RoPE tables for positions [0, capacity)."""
-        args = self.args
         device = self.norm.weight.device
         dtype = self.norm.weight.dtype
         for layer in self.layers:
-            layer.self_attn.kv_cache = StaticKVCache(slots, args.num_key_value_heads, capacity,
-                                                     args.head_dim, dtype, device)
-        cos, sin = rope_tables(args, capacity)
+            layer.self_attn.kv_cache = StaticKVCache(slots, self.args.num_key_value_heads,
+                                                     capacity, self.args.head_dim, dtype, device)
+        cos, sin = rope_tables(self.args, capacity)
         # In the model's dtype, as transformers casts them before rotating
         self.register_buffer("rope_cos", cos.to(device, dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(device, dtype), persistent=False)

@@ -3,6 +3,7 @@
 Topics in order: model parity, cache, converter, sampling, decode modes, CLI, kernels. Tests marked
 needs_cuda skip without a GPU; the kernel tests also run on the CPU in Triton's interpreter, in a
 subprocess."""
+import gc
 import importlib
 import inspect
 import io
@@ -17,6 +18,7 @@ import sys
 import textwrap
 import time
 import types
+import weakref
 
 import pytest
 import torch
@@ -2063,6 +2065,30 @@ def test_cuda_graph_capture_changes_no_state(checkpoint, request):
         assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
     assert len(gens[1].prefill_step.graphs) == 1 and len(gens[1].decode_step.graphs) == 1
     assert len(set(gens[1].state.sequences[0, 4:8].tolist())) > 1
+
+
+@needs_cuda
+def test_cuda_graphs_of_a_dropped_generator_never_end_another_capture(tiny):
+    """A graphed Generator (its graphs' steps bound to a weak proxy of it), dropped, is freed with
+    its graphs at once, not by Python's collector, which could free them inside another
+    Generator's capture and end it with a CUDA error. That is tried too, with collections made
+    frequent and cheap: everything older frozen, a collection at each allocation."""
+    model = G.load_model(tiny, "cuda")
+    thresholds = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(1, 1, 1)
+    dropped = []
+    try:
+        for _ in range(3):
+            gen = G.Generator(model, batch=1, capacity=128, sampling=GREEDY, cuda_graph=True)
+            rows, _ = gen.generate([[1, 2, 3]], max_new=8, stop_ids=set())
+            assert len(rows[0]) == 8
+            dropped.append(weakref.ref(gen))
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.unfreeze()
+    del gen
+    assert all(ref() is None for ref in dropped)
 
 
 @needs_cuda
