@@ -3293,8 +3293,9 @@ def test_model_with_kernels_matches_reference_ops(checkpoint, device, request):
 
 
 # (rows, tokens a row) of the fast path's steps: a draft's tokens checked, a batch, both, the most
-# rows, the most tokens of a row
-STEPS = [(1, 2), (2, 1), (4, 4), (16, 1), (1, 8)]
+# rows, the most tokens of a row, and the verify step of a speculative round at the default k = 4
+# (a count of tokens that is no power of two)
+STEPS = [(1, 2), (2, 1), (4, 4), (16, 1), (1, 8), (1, 5)]
 
 
 @pytest.mark.parametrize("device,dtype,tol", KERNEL_RUNS[:2])
