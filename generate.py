@@ -213,7 +213,7 @@ class Generator:
         check_count("capacity", capacity)
         require(isinstance(sampling, SamplingParams), f"sampling {sampling!r}: a SamplingParams")
         device = model.norm.weight.device
-        require(not (compile and cuda_graph), "compile and cuda_graph: choose one way or the other")
+        require(not (compile and cuda_graph), "compile and cuda_graph: choose one")
         on_cuda = device.type == "cuda"
         require(on_cuda or not cuda_graph, "cuda_graph needs a CUDA device: leave out --cuda-graph")
         if use_kernels is None:  # wherever they can run
@@ -699,7 +699,7 @@ def run(argv) -> None:
     # run with another prompt or --max-new-tokens then finds it in inductor's cache
     needed = max(map(len, prompts)) + args.max_new_tokens
     capacity = args.cache_len or bucket(needed, checkpoint.model.args.max_position_embeddings)
-    if args.draft_checkpoint:
+    if args.draft_checkpoint is not None:
         speculative = optional("speculative", "--draft-checkpoint")
         gen = speculative.from_args(args, checkpoint.model, capacity, sampling)
     else:

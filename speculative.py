@@ -135,9 +135,11 @@ class Speculator(Generator):
         if weights[1] > weights[0]:
             warnings.warn("the draft outweighs the target: slower than plain decoding",
                           stacklevel=2)
-        # Room for a round's k tokens past the capacity
-        super().__init__(model, batch=1, capacity=capacity + k, sampling=sampling, **modes)
-        self.draft = Generator(draft, batch=1, capacity=capacity + k, sampling=sampling,
+        # Room for a round's k tokens past the capacity, within the model's positions (generate
+        # then refuses what the last k of them can't hold)
+        room = min(capacity + k, model.args.max_position_embeddings)
+        super().__init__(model, batch=1, capacity=room, sampling=sampling, **modes)
+        self.draft = Generator(draft, batch=1, capacity=room, sampling=sampling,
                                use_kernels=modes.get("use_kernels"))
         self.k = k
         self.params = sampling

@@ -2123,7 +2123,7 @@ def test_compile_and_cuda_graph_are_alternatives(tiny):
     with pytest.raises(SystemExit) as e:
         G.main(["--checkpoint", tiny, "--prompt", "hi", "--compile", "--cuda-graph"])
     assert str(e.value.code) == "error: argument --cuda-graph: not allowed with argument --compile"
-    with pytest.raises(UserError, match="compile and cuda_graph: choose one way or the other"):
+    with pytest.raises(UserError, match="compile and cuda_graph: choose one"):
         generator(tiny, compile=True, cuda_graph=True)
     with pytest.raises(UserError, match="cuda_graph needs a CUDA device: leave out --cuda-graph"):
         generator(tiny, cuda_graph=True)
@@ -2182,7 +2182,8 @@ def test_cli_draft_checkpoint_gives_the_plain_text_and_says_what_was_accepted(ti
                                                                               tmp_path):
     """--draft-checkpoint: speculative rounds give the plain command's greedy text (fp32), with
     --speculate-k's k too, and the report says how many drafts were kept. Refused in one line:
-    --speculate-k alone, two prompts, a draft of another tokenizer, no speculative.py."""
+    --speculate-k alone, two prompts, an empty draft path, a draft of another tokenizer, no
+    speculative.py."""
     flags = ["--device", "cpu", "--checkpoint", tiny_moe, "--prompt", "hello world",
              "--max-new-tokens", "24", "--temperature", "0"]
     plain = cli(*flags)
@@ -2193,6 +2194,7 @@ def test_cli_draft_checkpoint_gives_the_plain_text_and_says_what_was_accepted(ti
     one_line_error(cli(*flags, "--speculate-k", "2"), "--speculate-k needs --draft-checkpoint")
     two = cli(*flags, "--prompt", "hi", "--draft-checkpoint", tiny)
     one_line_error(two, "--draft-checkpoint takes one --prompt")
+    one_line_error(cli(*flags, "--draft-checkpoint", ""), "an empty path")
     other = tmp_path / "other"
     shutil.copytree(tiny, other)
     (other / "tokenizer.json").write_text((other / "tokenizer.json").read_text() + " ")
@@ -3486,6 +3488,13 @@ def test_speculative_refuses_what_cannot_pair(tiny, tiny_moe):
         spec.generate([[1], [2]], max_new=4, stop_ids=set())
     with pytest.raises(UserError, match="must fit the capacity"):
         spec.generate([[1] * 25], max_new=40, stop_ids=set())
+    # A capacity of all the model's positions: the rounds' room is within them, so what the last
+    # k can't hold is refused, the rest made
+    most = target.args.max_position_embeddings
+    spec = S.Speculator(target, G.load_model(tiny), k=4, capacity=most, sampling=GREEDY)
+    with pytest.raises(UserError, match="must fit the capacity"):
+        spec.generate([[1] * (most - 8)], max_new=5, stop_ids=set())
+    assert len(spec.generate([[1] * (most - 8)], max_new=4, stop_ids=set())[0][0]) == 4
     # A draft of more bytes than the target: a warning, the rounds still exact
     with pytest.warns(UserWarning, match="the draft outweighs the target"):
         S.Speculator(target, G.load_model(tiny_moe), k=4, capacity=64, sampling=GREEDY)
