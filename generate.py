@@ -370,8 +370,10 @@ class Generator:
         require(on_tokens is None or callable(on_tokens), f"on_tokens {on_tokens!r}: a function")
         # Where the longest prompt ends
         longest = start + max(map(len, prompts))
-        require(longest + max_new <= self.capacity, f"the prompt ({counted(longest, 'token')}) + "
-                f"max new tokens ({max_new}) is over the cache length ({self.capacity})")
+        # The cache less what a last step may write past max_new (a round's drafts: k positions)
+        usable = self.capacity - self.step_tokens + 1
+        require(longest + max_new <= usable, f"the prompt ({counted(longest, 'token')}) + "
+                f"max new tokens ({max_new}) is over the cache length ({usable})")
         stats = GenerationStats(0.0, 0.0, 0.0, 0)
         # The field of stats that times what ran since the last check; the tokens per row then
         kind, checked = "prefill_s", 0

@@ -201,8 +201,7 @@ class Attention(nn.Module):
             q.transpose(1, 2), keys, values, attn_mask=ctx.mask,
             is_causal=ctx.mask is None, enable_gqa=True)
         # (R, T, heads x head_dim)
-        y = y.transpose(1, 2).flatten(2)
-        return self.o_proj(y)
+        return self.o_proj(y.transpose(1, 2).flatten(2))
 
 
 class MLP(nn.Module):

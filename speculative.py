@@ -20,15 +20,15 @@ row's accepted tokens are simply written over in the next round, as the static c
     [tokens], stats = spec.generate([prompt], max_new=200, stop_ids=target.stop_ids)
     print(target.tokenizer.decode(tokens), stats.report([tokens]))
 """
-import pathlib
+import sys
 import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from generate import (GenerationStats, Generator, SamplingParams, load_model, require,
-                      top_candidates, tp)
+from generate import (GenerationStats, Generator, SamplingParams, load_model, read_tokenizer,
+                      require, top_candidates, tp)
 from model import Transformer
 
 
@@ -136,7 +136,7 @@ class Speculator(Generator):
             warnings.warn("the draft outweighs the target: slower than plain decoding",
                           stacklevel=2)
         # Room for a round's k tokens past the capacity, within the model's positions (generate
-        # then refuses what the last k of them can't hold)
+        # refuses a prompt and max_new that don't fit the room less k)
         room = min(capacity + k, model.args.max_position_embeddings)
         super().__init__(model, batch=1, capacity=room, sampling=sampling, **modes)
         self.draft = Generator(draft, batch=1, capacity=room, sampling=sampling,
@@ -187,14 +187,10 @@ class Speculator(Generator):
         state.positions.add_(kept[:, None])
         self.counts += torch.cat([torch.ones_like(kept), kept, kept == self.k + 1])
 
-    def generate(self, prompts, *, max_new: int, start: int = 0, **options):
+    def generate(self, prompts, **options):
         """Generator.generate of one prompt, its stats a SpeculationStats."""
-        self.check_prompts(prompts)
-        # Its last round may write k tokens past max_new
-        require(start + len(prompts[0]) + max_new + self.k <= self.capacity,
-                "the prompt and max_new must fit the capacity")
         self.counts.zero_()
-        rows, stats = super().generate(prompts, max_new=max_new, start=start, **options)
+        rows, stats = super().generate(prompts, **options)
         return rows, SpeculationStats(*vars(stats).values(), *self.counts.tolist())
 
 
@@ -204,8 +200,12 @@ def from_args(args, model: Transformer, capacity: int, sampling) -> Speculator:
     require(len(args.prompt) == 1, "--draft-checkpoint takes one --prompt")
     require(not (tp and tp.launched()), "--draft-checkpoint: not under torchrun")
     paths = args.checkpoint, args.draft_checkpoint
+    if not sys.stderr.isatty():
+        # As for the target: a terminal gets load_model's progress line instead
+        print(f"loading the draft, {paths[1]} ...", file=sys.stderr, flush=True)
     draft = load_model(paths[1], args.device, args.dtype)
-    tokenizers = {pathlib.Path(path, "tokenizer.json").read_bytes() for path in paths}
-    require(len(tokenizers) == 1, f"{paths[1]}: not the target's tokenizer")
+    # Ids that name the same tokens: the same vocabularies, added tokens too, however saved
+    vocabs = [read_tokenizer(path).get_vocab(with_added_tokens=True) for path in paths]
+    require(vocabs[0] == vocabs[1], f"{paths[1]}: not the target's tokenizer")
     return Speculator(model, draft, k=args.speculate_k or 4, capacity=capacity,
                       sampling=sampling, compile=args.compile, cuda_graph=args.cuda_graph)

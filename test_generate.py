@@ -2181,9 +2181,9 @@ def test_cli_stop_ids(tiny):
 def test_cli_draft_checkpoint_gives_the_plain_text_and_says_what_was_accepted(tiny, tiny_moe,
                                                                               tmp_path):
     """--draft-checkpoint: speculative rounds give the plain command's greedy text (fp32), with
-    --speculate-k's k too, and the report says how many drafts were kept. Refused in one line:
-    --speculate-k alone, two prompts, an empty draft path, a draft of another tokenizer, no
-    speculative.py."""
+    --speculate-k's k too, and the report says how many drafts were kept; a draft whose tokenizer
+    is the target's saved otherwise is accepted. Refused in one line: --speculate-k alone, two
+    prompts, an empty draft path, a draft of another vocabulary, no speculative.py."""
     flags = ["--device", "cpu", "--checkpoint", tiny_moe, "--prompt", "hello world",
              "--max-new-tokens", "24", "--temperature", "0"]
     plain = cli(*flags)
@@ -2191,13 +2191,23 @@ def test_cli_draft_checkpoint_gives_the_plain_text_and_says_what_was_accepted(ti
         r = cli(*flags, "--draft-checkpoint", tiny, *k)
         assert r.returncode == 0 and r.stdout == plain.stdout, r.stderr
         assert "tokens kept a round" in r.stderr and "in 1 row" in plain.stderr
+        assert f"loading the draft, {tiny} ..." in r.stderr
     one_line_error(cli(*flags, "--speculate-k", "2"), "--speculate-k needs --draft-checkpoint")
     two = cli(*flags, "--prompt", "hi", "--draft-checkpoint", tiny)
     one_line_error(two, "--draft-checkpoint takes one --prompt")
     one_line_error(cli(*flags, "--draft-checkpoint", ""), "an empty path")
     other = tmp_path / "other"
     shutil.copytree(tiny, other)
-    (other / "tokenizer.json").write_text((other / "tokenizer.json").read_text() + " ")
+    saved = json.loads((other / "tokenizer.json").read_text())
+    # The same vocabulary saved otherwise: the same ids, accepted
+    (other / "tokenizer.json").write_text(json.dumps(saved, indent=1))
+    r = cli(*flags, "--draft-checkpoint", str(other))
+    assert r.returncode == 0 and r.stdout == plain.stdout, r.stderr
+    # Two tokens' ids swapped: another vocabulary
+    vocab = saved["model"]["vocab"]
+    first, second = list(vocab)[-2:]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (other / "tokenizer.json").write_text(json.dumps(saved))
     one_line_error(cli(*flags, "--draft-checkpoint", str(other)), "not the target's tokenizer")
     # Without speculative.py (as if deleted): one line
     with pytest.MonkeyPatch.context() as patch:
@@ -3486,13 +3496,14 @@ def test_speculative_refuses_what_cannot_pair(tiny, tiny_moe):
     spec = S.Speculator(target, G.load_model(tiny), k=4, capacity=64, sampling=GREEDY)
     with pytest.raises(UserError, match="give a list of 1 to 1 prompts"):
         spec.generate([[1], [2]], max_new=4, stop_ids=set())
-    with pytest.raises(UserError, match="must fit the capacity"):
+    # Its last round's room: the capacity asked for is what the prompt and max_new must fit
+    with pytest.raises(UserError, match=r"\(40\) is over the cache length \(64\)"):
         spec.generate([[1] * 25], max_new=40, stop_ids=set())
     # A capacity of all the model's positions: the rounds' room is within them, so what the last
     # k can't hold is refused, the rest made
     most = target.args.max_position_embeddings
     spec = S.Speculator(target, G.load_model(tiny), k=4, capacity=most, sampling=GREEDY)
-    with pytest.raises(UserError, match="must fit the capacity"):
+    with pytest.raises(UserError, match=f"is over the cache length \\({most - 4}\\)"):
         spec.generate([[1] * (most - 8)], max_new=5, stop_ids=set())
     assert len(spec.generate([[1] * (most - 8)], max_new=4, stop_ids=set())[0][0]) == 4
     # A draft of more bytes than the target: a warning, the rounds still exact
