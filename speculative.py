@@ -136,8 +136,9 @@ class Speculator(Generator):
             warnings.warn("the draft outweighs the target: slower than plain decoding",
                           stacklevel=2)
         # Room for a round's k tokens past the capacity, within the model's positions (generate
-        # refuses a prompt and max_new that don't fit the room less k)
-        room = min(capacity + k, model.args.max_position_embeddings)
+        # refuses a prompt and max_new that don't fit the room less k); a capacity past them is
+        # the Generator's to refuse
+        room = min(capacity + k, max(capacity, model.args.max_position_embeddings))
         super().__init__(model, batch=1, capacity=room, sampling=sampling, **modes)
         self.draft = Generator(draft, batch=1, capacity=room, sampling=sampling,
                                use_kernels=modes.get("use_kernels"))
