@@ -703,7 +703,7 @@ def run(argv) -> None:
     capacity = args.cache_len or bucket(needed, checkpoint.model.args.max_position_embeddings)
     if args.draft_checkpoint is not None:
         speculative = optional("speculative", "--draft-checkpoint")
-        gen = speculative.from_args(args, checkpoint.model, capacity, sampling)
+        gen = speculative.from_args(args, checkpoint, capacity, sampling)
     else:
         gen = Generator(checkpoint.model, batch=len(prompts), capacity=capacity, sampling=sampling,
                         compile=args.compile, cuda_graph=args.cuda_graph)

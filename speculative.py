@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from generate import (GenerationStats, Generator, SamplingParams, load_model, read_tokenizer,
-                      require, top_candidates, tp)
+from generate import (Checkpoint, GenerationStats, Generator, SamplingParams, load_model,
+                      read_tokenizer, require, top_candidates, tp)
 from model import Transformer
 
 
@@ -195,18 +195,20 @@ class Speculator(Generator):
         return rows, SpeculationStats(*vars(stats).values(), *self.counts.tolist())
 
 
-def from_args(args, model: Transformer, capacity: int, sampling) -> Speculator:
+def from_args(args, target: Checkpoint, capacity: int, sampling) -> Speculator:
     """generate.py's --draft-checkpoint and --speculate-k (4 by default): a Speculator of one
-    --prompt in the mode the flags ask, its draft on the target's device in its dtype."""
+    --prompt for the loaded `target`, in the mode the flags ask, its draft on the target's device
+    in its dtype."""
     require(len(args.prompt) == 1, "--draft-checkpoint takes one --prompt")
     require(not (tp and tp.launched()), "--draft-checkpoint: not under torchrun")
-    paths = args.checkpoint, args.draft_checkpoint
+    path = args.draft_checkpoint
     if not sys.stderr.isatty():
         # As for the target: a terminal gets load_model's progress line instead
-        print(f"loading the draft, {paths[1]} ...", file=sys.stderr, flush=True)
-    draft = load_model(paths[1], args.device, args.dtype)
+        print(f"loading the draft, {path} ...", file=sys.stderr, flush=True)
+    draft = load_model(path, args.device, args.dtype)
     # Ids that name the same tokens: the same vocabularies, added tokens too, however saved
-    vocabs = [read_tokenizer(path).get_vocab(with_added_tokens=True) for path in paths]
-    require(vocabs[0] == vocabs[1], f"{paths[1]}: not the target's tokenizer")
-    return Speculator(model, draft, k=args.speculate_k or 4, capacity=capacity,
+    vocab = target.tokenizer.tokenizer.get_vocab(with_added_tokens=True)
+    draft_vocab = read_tokenizer(path).get_vocab(with_added_tokens=True)
+    require(draft_vocab == vocab, f"{path}: not the target's tokenizer")
+    return Speculator(target.model, draft, k=args.speculate_k or 4, capacity=capacity,
                       sampling=sampling, compile=args.compile, cuda_graph=args.cuda_graph)

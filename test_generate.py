@@ -3515,7 +3515,7 @@ def test_speculative_refuses_what_cannot_pair(tiny, tiny_moe):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("LOCAL_RANK", "0")
         with pytest.raises(UserError, match="--draft-checkpoint: not under torchrun"):
-            S.from_args(types.SimpleNamespace(prompt=["hi"]), target, 64, GREEDY)
+            S.from_args(types.SimpleNamespace(prompt=["hi"]), G.load(tiny), 64, GREEDY)
 
 
 # ---------------------------------------------------------------- the line budget
