@@ -359,7 +359,7 @@ class Generator:
         mode. start: the prompts' first position; the rows keep their tokens before it in the
         cache from an earlier call (a conversation's earlier turns): only the prompts are
         prefilled. Ctrl-C (KeyboardInterrupt) during the decode loop ends it: what was made is
-        returned, stats.interrupted set."""
+        returned (on_tokens is not called again), stats.interrupted set."""
         self.check_prompts(prompts)
         check_count("max_new", max_new)
         check_count("check_every", check_every)
@@ -392,7 +392,8 @@ class Generator:
                 # Where each row's first stop token is, or None
                 ends = [next((i for i, t in enumerate(row) if t in stop_ids), None) for row in rows]
                 new_tokens = [row[:end] for row, end in zip(rows, ends, strict=True)]
-                if on_tokens:
+                # Once interrupted, not again: an on_tokens that raises at every call ends the loop
+                if on_tokens and not stats.interrupted:
                     on_tokens(new_tokens)
                 now = time.perf_counter()
                 vars(stats)[kind] += now - began

@@ -1892,9 +1892,18 @@ def test_ctrl_c_in_the_decode_loop_returns_what_was_made(tiny):
             raise KeyboardInterrupt
     rows, stats = gen.generate([[1, 2, 3]], max_new=30, stop_ids=set(), check_every=4,
                                on_tokens=pressed)
-    assert stats.interrupted and checks == [1, 5, 9, 9] and rows == [full[0][:9]]
+    assert stats.interrupted and checks == [1, 5, 9] and rows == [full[0][:9]]
     again, stats = gen.generate([[1, 2, 3]], max_new=30, stop_ids=set(), check_every=4)
     assert again == full and not stats.interrupted
+    # An on_tokens that raises at every call still ends the loop
+    checks.clear()
+
+    def always_pressed(rows):
+        checks.append(len(rows[0]))
+        raise KeyboardInterrupt
+    rows, stats = gen.generate([[1, 2, 3]], max_new=30, stop_ids=set(), check_every=4,
+                               on_tokens=always_pressed)
+    assert stats.interrupted and checks == [1] and rows == [full[0][:1]]
 
 
 def test_generator_takes_fewer_prompts_than_its_batch(tiny):
