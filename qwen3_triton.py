@@ -403,8 +403,11 @@ GEMV_CONFIGS = {
     ("picked", "int4"): dict(BN=32, BK=128, num_warps=4),
     ("routed", "int4"): dict(BN=32, BK=64, num_warps=2),
 }
-# _rows_product's, the best for 8B's shapes at 16 tokens on an H100 (bench/RESULTS.md)
-ROWS_CONFIG = dict(BN=64, BK=128, num_warps=8)
+# _rows_product's by how the weights are stored: the best for 8B's shapes at 16 tokens on an H100
+# (bench/RESULTS.md)
+ROWS_CONFIGS = {"float": dict(BN=64, BK=256, num_warps=4, num_stages=4),
+                "int8": dict(BN=64, BK=128, num_warps=4, num_stages=4),
+                "int4": dict(BN=64, BK=128, num_warps=8)}
 # By the weights' dtype: their kind above, and how many of them a 32-bit word holds
 STORAGE = {torch.int8: ("int8", 4), torch.uint8: ("int4", 8)}
 
@@ -450,9 +453,9 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | 
     tokens = x.shape[0] if router is None else router.shape[0]
     out = gemv_output(x, weight, gated=gated, router=router, top_k=top_k, routed=routed)
     if tokens > 1 and router is None:
-        config = ROWS_CONFIG
+        config = ROWS_CONFIGS[kind]
         # fp32 tiles (the tests') need twice bf16's shared memory, pipelined: over the
-        # GPU's with ROWS_CONFIG's block, in bounds with a quarter of it
+        # GPU's with the bf16 block, in bounds with a quarter of it
         if x.element_size() == 4:
             config = dict(config, BK=config["BK"] // 4)
         # 16 tokens a program: tl.dot's least
