@@ -62,7 +62,8 @@ class Conversation:
         if started_over:
             ids = self.render(self.system + turn)
             require(len(ids) <= room, f"this turn ({len(ids)} tokens, rendered) + max new tokens "
-                    f"is over the cache length ({self.gen.capacity}): say it in fewer words")
+                    f"is over the cache length ({self.gen.capacity}): say it in fewer words, or "
+                    "give a longer --cache-len")
             self.messages, self.cached = list(self.system), []
         # The longest common prefix (commonprefix takes lists too), but at least the last token
         # runs: its logits draw the reply's first
@@ -104,6 +105,9 @@ def converse(argv) -> None:
     require("LOCAL_RANK" not in os.environ, "chat.py is one process: run it without torchrun")
     require(sys.stdin, "stdin is closed: give the turns a terminal or a pipe")
     checkpoint, sampling, stop_ids = generate.load_for(args)
+    # Refused now, not at every turn (as the flags below)
+    require(checkpoint.tokenizer.chat_template, f"{args.checkpoint} has no chat template: chat.py "
+            "needs one (generate.py takes plain prompts)")
     capacity = args.cache_len or min(CACHE_LEN, checkpoint.model.args.max_position_embeddings)
     # Refused now, not at every turn
     require(args.max_new_tokens < capacity, f"--max-new-tokens {args.max_new_tokens} leaves no "

@@ -479,7 +479,7 @@ class Tokenizer:
         rendered with the chat template and opening the assistant's reply, as transformers'
         apply_chat_template(messages, add_generation_prompt=True) renders it; thinking=False:
         enable_thinking=False."""
-        require(self.chat_template, "the checkpoint has no chat template: copy its snapshot's own")
+        require(self.chat_template, "the checkpoint has no chat template: plain prompts only")
         listed = isinstance(messages, list) and all(isinstance(m, dict) for m in messages)
         texts = listed and all(isinstance(m.get("content"), str) for m in messages)
         require(texts, f"messages {messages!r}: a list of dicts, each a role and a str content")

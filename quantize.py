@@ -177,7 +177,7 @@ def swap_in(model: Transformer, config: dict) -> None:
         """Refuses the weight `name` unless its input columns are whole groups."""
         if group_size and columns % group_size:
             raise convert.UserError(f"{name}: its {columns} input columns are no multiple of the "
-                                    f"group size {group_size} (quantize.py --group-size sets it)")
+                                    f"group size {group_size} (--group-size sets it)")
     for path, parent in list(model.named_modules()):
         for name, child in parent.named_children():
             where = f"{path}.{name}".lstrip(".")
@@ -249,7 +249,8 @@ def quantize_checkpoint(path: str, out: str, mode: str, group_size: int | None =
     """A converted bf16 checkpoint `path`, quantized as `mode` into `out`: a tensor at a time."""
     config = convert.converted_config(path)
     if config["quantization"] is not None:
-        raise convert.UserError(f"{path} is already {config['quantization']}")
+        raise convert.UserError(f"{path} is already {config['quantization']}: quantize its "
+                                "bf16 conversion")
     with torch.device("meta"):
         model = Transformer(convert.model_args(config))
     files = convert.list_tensors(path, "model*.safetensors")

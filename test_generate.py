@@ -1380,7 +1380,8 @@ def test_int8_modules_equal_their_dequantized_weights(tmp_path, moe):
     assert json.load(open(path + "-int8/config.json"))["quantization"] == "int8"
     r = cli("--checkpoint", path + "-int8", "--mode", "int8",
             script="quantize.py")
-    assert r.returncode == 1 and r.stderr == f"error: {path}-int8 is already int8\n"
+    want = f"error: {path}-int8 is already int8: quantize its bf16 conversion\n"
+    assert r.returncode == 1 and r.stderr == want
 
 
 def read_all(directory) -> dict:
@@ -2300,7 +2301,7 @@ def test_chat_template_from_the_checkpoint_first_refused_where_it_has_none(tiny,
     with pytest.raises(UserError, match="the checkpoint has no chat template"):
         G.Tokenizer(str(own)).chat(user_says("hi"))
     one_line_error(cli("--device", "cpu", "--checkpoint", str(own), "--prompt", "hi", "--chat"),
-                   "the checkpoint has no chat template")
+                   "the checkpoint has no chat template: plain prompts only")
 
 
 def test_convert_copies_the_chat_template_file(tmp_path):
@@ -3742,9 +3743,9 @@ def test_cuda_chat_one_text_in_every_mode_with_no_host_sync_in_a_step(checkpoint
     assert replies["compile"] == replies["eager"] == replies["graph"]
 
 
-def test_chat_refuses_bad_flags_and_a_closed_stdin_before_any_turn(tiny):
-    """Flags that would fail every turn, a closed stdin, and torchrun: one line, exit 1, no turn
-    taken."""
+def test_chat_refuses_bad_flags_and_a_closed_stdin_before_any_turn(tiny, tmp_path):
+    """Flags that would fail every turn, a checkpoint without a chat template, a closed stdin, and
+    torchrun: one line, exit 1, no turn taken."""
     chat_py = os.path.join(HERE, "chat.py")
     for args, message in [(["--stop-ids", "-5"], "--stop-ids: ids in [0, 512)"),
                           (["--stop-ids", "512"], "--stop-ids: ids in [0, 512)"),
@@ -3753,6 +3754,12 @@ def test_chat_refuses_bad_flags_and_a_closed_stdin_before_any_turn(tiny):
         r = cli("--device", "cpu", "--checkpoint", tiny, *args, stdin="hi\n", script="chat.py")
         one_line_error(r, message)
         assert "prefilled" not in r.stderr
+    plain = tmp_path / "plain"
+    shutil.copytree(tiny, plain)
+    for name in ("chat_template.jinja", "tokenizer_config.json"):
+        (plain / name).unlink(missing_ok=True)
+    r = cli("--device", "cpu", "--checkpoint", str(plain), stdin="hi\n", script="chat.py")
+    one_line_error(r, f"{plain} has no chat template: chat.py needs one")
     command = f"{sys.executable} {chat_py} --device cpu --checkpoint {tiny} <&-"
     r = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=LIMIT)
     one_line_error(r, "stdin is closed")
