@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from generate import (Checkpoint, GenerationStats, Generator, SamplingParams, load_model,
-                      read_tokenizer, require, top_candidates, tp)
+from generate import (Checkpoint, GenerationStats, Generator, SamplingParams, check_count,
+                      load_model, read_tokenizer, require, top_candidates, tp)
 from model import Transformer
 
 
@@ -126,6 +126,7 @@ class Speculator(Generator):
     def __init__(self, model: Transformer, draft: Transformer, *, k: int, capacity: int,
                  sampling: SamplingParams, **modes):
         require(type(k) is int and 1 <= k <= 15, f"k {k!r}: 1 to 15 drafted tokens (--speculate-k)")
+        check_count("capacity", capacity)
         vocabs = model.args.vocab_size, draft.args.vocab_size
         require(vocabs[0] == vocabs[1], f"a draft of {vocabs[1]} tokens for a target of "
                 f"{vocabs[0]}: the draft needs the target's tokenizer")
@@ -164,12 +165,11 @@ class Speculator(Generator):
         state = self.state
         kv_len = len(kv_positions)
         tokens = state.tokens
-        positions = state.positions
         # The k drafted tokens, each (1, 1), and the draft's distributions they came from
         drafted = []
         draft_probs = []
         for i in range(self.k + 1):
-            logits = self.draft.forward_step(tokens, positions + i, kv_len)[:, -1]
+            logits = self.draft.forward_step(tokens, state.positions + i, kv_len)[:, -1]
             if i < self.k:
                 # q, and a draft drawn from it
                 draft_probs.append(probabilities(logits, self.params))
@@ -177,13 +177,13 @@ class Speculator(Generator):
                 drafted.append(tokens)
         drafted = torch.cat(drafted, dim=1)
         checked = torch.cat([state.tokens, drafted], dim=1)
-        offsets = torch.arange(self.k + 1, device=positions.device)
-        logits = self.forward_step(checked, positions + offsets, kv_len)
+        offsets = torch.arange(self.k + 1, device=state.positions.device)
+        logits = self.forward_step(checked, state.positions + offsets, kv_len)
         draft_probs = torch.stack(draft_probs, 1)
         round_tokens, kept = accept(logits, drafted, draft_probs, self.params)
         # Every token of the round at the positions after the row's; those past the kept ones
         # are written over by the next round
-        state.sequences.scatter_(1, positions + 1 + offsets, round_tokens)
+        state.sequences.scatter_(1, state.positions + 1 + offsets, round_tokens)
         state.tokens.copy_(round_tokens.gather(1, kept[:, None] - 1))
         state.positions.add_(kept[:, None])
         self.counts += torch.cat([torch.ones_like(kept), kept, kept == self.k + 1])

@@ -3512,6 +3512,10 @@ def test_speculative_refuses_what_cannot_pair(tiny, tiny_moe):
     # A capacity of all the model's positions: the rounds' room is within them, so what the last
     # k can't hold is refused, the rest made
     most = target.args.max_position_embeddings
+    for capacity in (0, "64"):
+        refusal = f"capacity must be an int of at least 1, not {capacity!r}"
+        with pytest.raises(UserError, match=refusal):
+            S.Speculator(target, target, k=4, capacity=capacity, sampling=GREEDY)
     with pytest.raises(UserError, match=f"a cache of {most + 1} positions is over the model's"):
         S.Speculator(target, target, k=4, capacity=most + 1, sampling=GREEDY)
     spec = S.Speculator(target, G.load_model(tiny), k=4, capacity=most, sampling=GREEDY)
