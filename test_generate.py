@@ -1538,8 +1538,7 @@ def test_int4_bad_inputs_are_one_line(tiny, tmp_path, snapshot, capsys):
     script = "quantize.py"
     out = str(tmp_path / "out")
     refusals = {("int4", "128"): "layers.0.self_attn.qkv_proj: its 64 input columns are no "
-                                 "multiple of the group size 128 (quantize.py --group-size "
-                                 "sets it)",
+                                 "multiple of the group size 128 (--group-size sets it)",
                 ("int4", "24"): "--group-size 24: int4 needs a power of two, at least 8",
                 ("int4", "0"): "--group-size 0: int4 needs a power of two, at least 8",
                 ("int8", "64"): "--group-size is int4's"}
