@@ -94,7 +94,8 @@ def read_turn(interactive: bool) -> str:
         print()
         return ""
     except UnicodeError:
-        raise UserError("that line is not UTF-8 text: type it again") from None
+        again = ": type it again" if interactive else ""
+        raise UserError(f"that line is not UTF-8 text{again}") from None
     return line.rstrip("\r\n")
 
 
@@ -117,16 +118,18 @@ def converse(argv) -> None:
     chat = Conversation(checkpoint, gen, args.system, not args.no_think, stop_ids=stop_ids,
                         max_new=args.max_new_tokens, check_every=args.check_every)
     interactive = sys.stdin.isatty()
+    failed = False
     while True:
         # Ctrl-C at the prompt ends the conversation; during a reply, the reply (in generate())
         try:
             text = read_turn(interactive)
             if not text.strip():
-                return
+                break
             stream = generate.TextStream(checkpoint.tokenizer.decode)
             reply = chat.say(text, on_tokens=stream)
         except UserError as e:  # this turn alone: the conversation goes on
             print(f"error: {e}", file=sys.stderr)
+            failed = True
             continue
         stream.finish([reply.tokens], [text])
         if reply.started_over:
@@ -134,6 +137,9 @@ def converse(argv) -> None:
                   file=sys.stderr)
         print(f"{reply.prefilled} tokens prefilled, {reply.reused} reused. "
               f"{reply.stats.report([reply.tokens])}", file=sys.stderr)
+    # Turns from a pipe, as a script's commands: one that failed makes the exit status 1
+    if failed and not interactive:
+        sys.exit(1)
 
 
 def main(argv=None):

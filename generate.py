@@ -27,7 +27,7 @@ try:
     from model import Experts, Transformer
     # Optional files: quantized checkpoints, the Triton fast path (without it, or Triton,
     # PyTorch's ops run everywhere), tensor parallelism under torchrun
-    quantize, qwen3_triton, tp = map(optional, ["quantize", "qwen3_triton", "tp"])
+    qwen3_triton, tp = map(optional, ["qwen3_triton", "tp"])
 # Ctrl-C while torch loads: nothing to clean up, nothing to say
 except KeyboardInterrupt:
     sys.exit(130)
@@ -46,8 +46,7 @@ class SamplingParams:
         usable = type(temperature) in (int, float) and (temperature == 0 or temperature >= 1e-3)
         require(usable and temperature < math.inf,
                 f"temperature {temperature!r}: must be 0 (greedy) or at least 0.001")
-        usable = type(top_k) is int and top_k >= 0
-        require(usable, f"top_k {top_k!r}: must be an int >= 0 (0 keeps every token)")
+        check_count("top_k", top_k, least=0)
         usable = type(top_p) in (int, float) and 0 < top_p <= 1
         require(usable, f"top_p {top_p!r}: must be in (0, 1]")
 
@@ -56,8 +55,7 @@ class SamplingParams:
         """A checkpoint's defaults: its generation_config.json's settings where it samples, else
         greedy."""
         do_sample = generation_config.get("do_sample", True)
-        if type(do_sample) is not bool:
-            raise UserError(f"generation_config.json: do_sample {do_sample!r} is not true or false")
+        require(type(do_sample) is bool, "generation_config.json: do_sample must be true or false")
         names = [spec.name for spec in dataclasses.fields(cls) if do_sample]
         settings = {name: generation_config[name] for name in names
                     if generation_config.get(name) is not None}
@@ -209,6 +207,7 @@ class Generator:
 
     def __init__(self, model: Transformer, *, batch: int, capacity: int, sampling: SamplingParams,
                  use_kernels: bool | None = None, compile: bool = False, cuda_graph: bool = False):
+        require(isinstance(model, Transformer), f"model {model!r}: not a Transformer")
         check_count("batch", batch)
         check_count("capacity", capacity)
         require(isinstance(sampling, SamplingParams), f"sampling {sampling!r}: a SamplingParams")
@@ -231,7 +230,7 @@ class Generator:
                 raise UserError("compile on the CPU needs g++ (or a C++ compiler in CXX)") from None
         most = model.args.max_position_embeddings
         require(capacity <= most, f"a cache of {capacity} positions is over the model's {most}: "
-                "ask for fewer positions")
+                "ask for fewer positions (--cache-len)")
         # One spare position, never attended: every attended prefix is then a strict slice of the
         # cache, so a compiled step's contiguity guards hold (no recompile) when it reaches the
         # capacity
@@ -363,9 +362,8 @@ class Generator:
         self.check_prompts(prompts)
         check_count("max_new", max_new)
         check_count("check_every", check_every)
-        vocab = self.model.args.vocab_size
-        require(token_ids(stop_ids, vocab),
-                f"stop_ids must be a set of token ids in [0, {vocab}), not {stop_ids!r}")
+        require(token_ids(stop_ids, self.model.args.vocab_size),
+                f"stop_ids must be a set of the model's token ids, not {stop_ids!r}")
         check_count("start", start, least=0)
         require(on_tokens is None or callable(on_tokens), f"on_tokens {on_tokens!r}: a function")
         # Where the longest prompt ends
@@ -373,7 +371,8 @@ class Generator:
         # The cache less what a last step may write past max_new (a round's drafts: k positions)
         usable = self.capacity - self.step_tokens + 1
         require(longest + max_new <= usable, f"the prompt ({counted(longest, 'token')}) + "
-                f"max new tokens ({max_new}) is over the cache length ({usable})")
+                f"max new tokens ({max_new}) is over the cache length ({usable}): fewer "
+                "--max-new-tokens, or a longer --cache-len")
         stats = GenerationStats(0.0, 0.0, 0.0, 0)
         # The field of stats that times what ran since the last check; the tokens per row then
         kind, checked = "prefill_s", 0
@@ -447,11 +446,17 @@ def check_count(name: str, value, least: int = 1) -> None:
 
 
 class Tokenizer:
-    """The checkpoint's tokenizer.json (Qwen3 adds no BOS) and its chat template:
-    chat_template.jinja, or tokenizer_config.json's chat_template."""
+    """The checkpoint's tokenizer.json (Qwen3 adds no BOS), for a model of `vocab_size` ids, and its
+    chat template: chat_template.jinja, or tokenizer_config.json's chat_template."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, vocab_size: int):
         self.tokenizer = read_tokenizer(path)
+        self.vocab_size = vocab_size
+        # A model pads its tokenizer's ids (Qwen3: 151,669 of 151,936), never by a thousand
+        size = self.tokenizer.get_vocab_size()
+        its_own = size <= vocab_size < size + 1000
+        require(its_own, f"{path}: tokenizer.json of {size} tokens for a model of {vocab_size}: "
+                "another model's")
         config_file = pathlib.Path(path, "tokenizer_config.json")
         config = read_json(config_file) if config_file.is_file() else {}
         self.chat_template = config.get("chat_template")
@@ -471,7 +476,7 @@ class Tokenizer:
             raise UserError(f"{text!r} is not a str of valid UTF-8 text") from None
 
     def decode(self, ids: list[int]) -> str:
-        require(token_ids(ids, 1 << 32), f"{ids!r}: decode takes a list of token ids")
+        require(token_ids(ids, self.vocab_size), f"{ids!r}: not token ids below {self.vocab_size}")
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def chat(self, messages: list[dict], thinking: bool = True) -> str:
@@ -482,7 +487,11 @@ class Tokenizer:
         require(self.chat_template, "the checkpoint has no chat template: plain prompts only")
         listed = isinstance(messages, list) and all(isinstance(m, dict) for m in messages)
         texts = listed and all(isinstance(m.get("content"), str) for m in messages)
-        require(texts, f"messages {messages!r}: a list of dicts, each a role and a str content")
+        roles = texts and {m.get("role") for m in messages}
+        # At least one message, and each of a role the template knows
+        known = roles and roles <= {"system", "user", "assistant"}
+        require(known, f"messages {messages!r}: a list of dicts, each a role (system, "
+                "user or assistant) and a str content")
         require(type(thinking) is bool, f"thinking {thinking!r}: True or False")
         import jinja2.sandbox
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
@@ -490,12 +499,13 @@ class Tokenizer:
         # Hugging Face templates refuse what they can't render with raise_exception(message)
         env.globals["raise_exception"] = functools.partial(require, False)
         try:
-            template = env.from_string(self.chat_template)
-            return template.render(messages=messages, add_generation_prompt=True,
-                                   enable_thinking=thinking)
+            text = env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=True, enable_thinking=thinking)
         # A template's own error, of whatever kind (1 / 0, a range too large for the sandbox...)
         except Exception as e:
             raise UserError(f"the checkpoint's chat template fails: {e}") from None
+        require(text.strip(), "the chat template renders these messages as blank")
+        return text
 
 
 @dataclass
@@ -516,22 +526,20 @@ def load_model(path: str, device="cpu", dtype: torch.dtype | None = None,
     device memory. A quantized checkpoint gets quantize.py's modules first. split (tp.py's
     TensorParallel): this rank's share alone, at its shapes (split.rank_args), each tensor's slice
     read (split.read), the all-reduces added (split.apply)."""
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError("there is no CUDA device here: use the CPU (--device cpu)")
+    device = device_of(device)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     floats = (torch.bfloat16, torch.float16, torch.float32)
     require(dtype in floats, f"dtype {dtype!r}: use torch.bfloat16, torch.float16 or torch.float32")
     config = converted_config(path)
-    quantization = config["quantization"]
-    require(quantize or not quantization, f"{path} is {quantization}: loading it needs quantize.py")
     args = model_args(config)
     if split is not None:
         args = split.rank_args(args, config)
     with torch.device("meta"):
         model = Transformer(args)
-        if quantization:
+        if config["quantization"]:
+            # "PATH is int8: loading it needs quantize.py" where it is missing
+            quantize = optional("quantize", f"{path} is {config['quantization']}: loading it")
             quantize.swap_in(model, config)
     expected = {name: t.shape for name, t in checkpoint_tensors(model).items()}
     # name -> its file
@@ -573,7 +581,7 @@ def load(path: str, device="cpu", dtype: torch.dtype | None = None, split=None) 
     # Each of the vocabulary: one out of it would blame the stop ids of a user who gave none
     stop_ids = eos_ids(generation_config, file, model.args.vocab_size)
     stop_ids |= eos_ids(converted_config(path), "config.json", model.args.vocab_size)
-    return Checkpoint(model=model, tokenizer=Tokenizer(path), sampling=sampling, stop_ids=stop_ids)
+    return Checkpoint(model, Tokenizer(path, model.args.vocab_size), sampling, stop_ids)
 
 
 class TextStream:
@@ -602,6 +610,15 @@ class TextStream:
         else:
             for prompt, row in zip(prompts, rows, strict=True):
                 print(f"--- {prompt}\n{self.decode(row)}")
+
+
+def device_of(name) -> torch.device:
+    """A device of this machine: cpu, cuda or cuda:N, named by a str or a torch.device."""
+    match = re.fullmatch(r"cpu|cuda(:\d+)?", str(name))
+    require(match, f"unknown device {name!r}: use cpu, cuda or cuda:N")
+    require(match[0] == "cpu" or torch.cuda.is_available(),
+            "there is no CUDA device here: use --device cpu")
+    return torch.device(name)
 
 
 def counted(number: int, noun: str) -> str:
@@ -634,10 +651,9 @@ def parse_args(argv=None, description: str = __doc__, prompts: bool = True) -> a
     parser.add_argument("--seed", type=int, help="one seed, one text (in fp32, in every mode)")
     parser.add_argument("--max-new-tokens", type=positive, default=200)
     parser.add_argument("--stop-ids", type=int, nargs="+", default=[], help="besides eos")
-    modes = parser.add_mutually_exclusive_group()
-    modes.add_argument("--compile", action="store_true", help="torch.compile the decode step")
-    modes.add_argument("--cuda-graph", action="store_true",
-                       help="replay the prefill and decode steps as our CUDA graphs")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="replay the prefill and decode steps as our CUDA graphs")
     parser.add_argument("--check-every", type=positive, default=16, help="steps a stop check")
     parser.add_argument("--cache-len", type=positive,
                         help="KV cache positions (default: prompt + max new tokens; chat: 8,192)")
@@ -649,9 +665,7 @@ def parse_args(argv=None, description: str = __doc__, prompts: bool = True) -> a
     SamplingParams(**args.sampling)
     in_range = args.seed is None or 0 <= args.seed < 1 << 64
     require(in_range, f"--seed {args.seed}: must be in [0, 2^64)")
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
-        raise UserError(f"unknown device {args.device!r}: use cpu, cuda or cuda:N")
-    args.device = torch.device(args.device)
+    args.device = device_of(args.device)
     args.dtype = getattr(torch, args.dtype) if args.dtype else None
     require(args.chat or not (args.system or args.no_think), "--system, --no-think go with --chat")
     return args

@@ -87,24 +87,22 @@ def rope_frequencies(args: ModelArgs) -> tuple[Tensor, float]:
     between beta_fast and beta_slow times in the original context, and scales cos and sin by 0.1
     ln(factor) + 1 unless it is given an attention_factor."""
     dim = args.head_dim
-    exponents = torch.arange(0, dim, 2, dtype=torch.float) / dim
     # over 2 pi: (dim / 2,)
-    wavelengths = args.rope_theta ** exponents
+    wavelengths = args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
     original = 1.0 / wavelengths
-    yarn = args.yarn
-    if not yarn:
+    if not args.yarn:
         return original, 1.0
-    factor = yarn.get("factor", 1.0)
-    scale = yarn.get("attention_factor")
+    factor = args.yarn.get("factor", 1.0)
+    scale = args.yarn.get("attention_factor")
     if scale is None:
         scale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
-    context = yarn.get("original_max_position_embeddings", args.max_position_embeddings)
+    context = args.yarn.get("original_max_position_embeddings", args.max_position_embeddings)
 
     # The dimension that turns `turns` times over the context
     def dimension(turns: float) -> float:
         return dim * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(args.rope_theta))
-    low = max(math.floor(dimension(yarn.get("beta_fast") or 32)), 0)
-    high = min(math.ceil(dimension(yarn.get("beta_slow") or 1)), dim - 1)
+    low = max(math.floor(dimension(args.yarn.get("beta_fast") or 32)), 0)
+    high = min(math.ceil(dimension(args.yarn.get("beta_slow") or 1)), dim - 1)
     if high == low:
         # as transformers: no division by zero
         high += 0.001
@@ -188,18 +186,15 @@ class Attention(nn.Module):
         self.kv_cache: StaticKVCache | None = None
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
-        # (R, T, (heads + 2 kv_heads) x head_dim)
-        qkv = self.qkv_proj(x)
         # (R, T, heads + 2 kv_heads, head_dim)
-        heads = qkv.unflatten(-1, (-1, self.head_dim))
+        heads = self.qkv_proj(x).unflatten(-1, (-1, self.head_dim))
         q, k, v = heads.split([self.n_heads, self.n_kv, self.n_kv], dim=2)
         q = apply_rope(self.q_norm(q), ctx.cos, ctx.sin)
         k = apply_rope(self.k_norm(k), ctx.cos, ctx.sin)
         keys, values = self.kv_cache.update(ctx.positions, k, v, ctx.kv_len)
         # (R, heads, T, head_dim)
-        y = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=ctx.mask,
-            is_causal=ctx.mask is None, enable_gqa=True)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=ctx.mask,
+                                           is_causal=ctx.mask is None, enable_gqa=True)
         # (R, T, heads x head_dim)
         return self.o_proj(y.transpose(1, 2).flatten(2))
 
@@ -235,15 +230,13 @@ class MoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         # (R x T, hidden)
         tokens = x.flatten(0, 1)
-        probs = self.gate(tokens).softmax(-1, dtype=torch.float)
-        # (tokens, top_k)
-        weights, picked = probs.topk(self.top_k)
+        # (tokens, top_k): the router's most probable experts
+        weights, picked = self.gate(tokens).softmax(-1, dtype=torch.float).topk(self.top_k)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
-        # (tokens, top_k, hidden)
-        y = self.experts(tokens, picked)
-        # The weights rounded to x's dtype before the product, as transformers does
-        return (y * weights[..., None].to(x.dtype)).sum(1).view_as(x)
+        # Each token's picks (tokens, top_k, hidden) weighted, the weights rounded to x's dtype
+        # before the product as transformers rounds them, and summed
+        return (self.experts(tokens, picked) * weights[..., None].to(x.dtype)).sum(1).view_as(x)
 
 
 class Experts(nn.Module):
@@ -273,9 +266,8 @@ class Experts(nn.Module):
         row_experts, order = picked.flatten().sort()
         # (pairs, hidden): each pair's token
         rows = tokens[order // picked.shape[1]]
-        # (pairs, 2 x inner)
-        gate_up = expert_products(rows, gate_up_proj, row_experts, self.grouped_mm)
-        gate, up = gate_up.chunk(2, dim=-1)
+        # (pairs, inner) each
+        gate, up = expert_products(rows, gate_up_proj, row_experts, self.grouped_mm).chunk(2, -1)
         y = expert_products(F.silu(gate) * up, down_proj, row_experts, self.grouped_mm)
         # Back in (token, pick) order: pair i is sorted row order.argsort()[i]
         return y[order.argsort()].unflatten(0, picked.shape)
@@ -303,9 +295,8 @@ def expert_products(rows: Tensor, weight: Tensor, row_experts: Tensor, grouped_m
         ends = torch.searchsorted(row_experts, experts, right=True)
         return torch._grouped_mm(rows, weight.transpose(1, 2), offs=ends.int())
     if len(rows) <= len(weight):
-        # (pairs, N, K)
-        picked = weight[row_experts]
-        return torch.bmm(picked, rows[:, :, None])[:, :, 0]
+        # (pairs, N, K) each row's expert's weight, times the row
+        return torch.bmm(weight[row_experts], rows[:, :, None])[:, :, 0]
     # (pairs, experts, N)
     every = torch.einsum("pk,enk->pen", rows, weight)
     pairs = torch.arange(len(rows), device=rows.device)

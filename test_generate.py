@@ -1636,12 +1636,12 @@ def test_sampling_settings_from_generation_config_are_checked_as_flags_are():
     for bad, message in [({"temperature": -1}, "must be 0 (greedy) or at least 0.001"),
                          ({"temperature": 1e-45}, "at least 0.001"),
                          ({"temperature": "hot"}, "temperature 'hot'"),
-                         ({"top_p": 1.5}, "must be in (0, 1]"), ({"top_k": 2.5}, "top_k 2.5"),
-                         ({"top_k": True}, "top_k True"), ({"top_p": [1]}, "top_p [1]")]:
+                         ({"top_p": 1.5}, "must be in (0, 1]"), ({"top_k": 2.5}, "not 2.5"),
+                         ({"top_k": True}, "top_k must be an int"), ({"top_p": [1]}, "top_p [1]")]:
         with pytest.raises(UserError, match=re.escape(message)):
             G.SamplingParams.from_generation_config({**config, **bad})
-    for bad, message in [({"do_sample": "yes"}, "do_sample 'yes' is not true or false"),
-                         ({"do_sample": 1}, "do_sample 1 is not true or false")]:
+    for bad, message in [({"do_sample": "yes"}, "do_sample must be true or false"),
+                         ({"do_sample": 1}, "do_sample must be true or false")]:
         with pytest.raises(UserError, match=re.escape(f"generation_config.json: {message}")):
             G.SamplingParams.from_generation_config({**config, **bad})
     for eos in ([1, "2"], "<|im_end|>", [True], -1, [1.5]):
@@ -1654,15 +1654,15 @@ def test_sampling_settings_from_generation_config_are_checked_as_flags_are():
 def test_the_python_api_refuses_bad_arguments_naming_them(tiny):
     """Each a UserError that names the argument: never a hang, a silent setting or a traceback
     from deep inside."""
-    tokenizer = G.Tokenizer(tiny)
+    tokenizer = G.Tokenizer(tiny, VOCAB)
     for not_text in (b"Hello", 5):
         with pytest.raises(UserError, match=re.escape(f"{not_text!r} is not a str of valid UTF-8")):
             tokenizer.encode(not_text)
     for settings, message in [(dict(temperature=float("nan")), "temperature nan"),
                               (dict(temperature=-1), "temperature -1: must be 0 (greedy)"),
-                              (dict(top_k=-1), "top_k -1: must be an int >= 0"),
+                              (dict(top_k=-1), "top_k must be an int of at least 0, not -1"),
                               (dict(top_p=0), "top_p 0: must be in (0, 1]"),
-                              (dict(top_k="20"), "top_k '20'")]:
+                              (dict(top_k="20"), "top_k must be an int of at least 0, not '20'")]:
         with pytest.raises(UserError, match=re.escape(message)):
             G.SamplingParams(**settings)
     model = G.load_model(tiny)
@@ -1691,7 +1691,7 @@ def test_the_python_api_refuses_bad_arguments_naming_them(tiny):
         with pytest.raises(UserError, match="use_kernels needs"):
             G.Generator(model, batch=1, capacity=64, sampling=GREEDY, use_kernels=True)
     for stop_ids in (None, 151645, [-5], {VOCAB}):
-        with pytest.raises(UserError, match=re.escape("stop_ids must be a set of token ids")):
+        with pytest.raises(UserError, match="stop_ids must be a set of the model's token ids"):
             gen.generate([[1, 2]], max_new=4, stop_ids=stop_ids)
     # Refused before the prefill runs
     with pytest.raises(UserError, match="on_tokens 5: a function"):
@@ -1699,16 +1699,25 @@ def test_the_python_api_refuses_bad_arguments_naming_them(tiny):
     with pytest.raises(UserError, match="give a list of 1 to 2 prompts"):
         gen.generate(torch.tensor([[1, 2]]), max_new=4, stop_ids=set())
     if not CUDA:
-        with pytest.raises(UserError, match="there is no CUDA device here: use the CPU"):
+        with pytest.raises(UserError, match="there is no CUDA device here: use --device cpu"):
             G.load(tiny, device="cuda")
-    tokenizer = G.Tokenizer(tiny)
-    for messages in (123, "hello", [["user", "hi"]]):
+    for device in (5, "tpu", "cuda:x"):
+        with pytest.raises(UserError, match=re.escape(f"unknown device {device!r}: use cpu, cuda")):
+            G.load(tiny, device=device)
+    with pytest.raises(UserError, match="model 'model': not a Transformer"):
+        G.Generator("model", batch=1, capacity=64, sampling=GREEDY)
+    tokenizer = G.Tokenizer(tiny, VOCAB)
+    # Not a list of messages, none, or a role the template doesn't know (it would drop the message)
+    for messages in (123, "hello", [["user", "hi"]], [], [{"role": "wizard", "content": "hi"}],
+                     [{"content": "hi"}]):
         with pytest.raises(UserError, match=re.escape(f"messages {messages!r}: a list of dicts")):
             tokenizer.chat(messages)
-    for ids in ([-1], [1.0], "hi", 5, None):
-        message = f"{ids!r}: decode takes a list of token ids"
+    # Ids past the model's vocabulary would decode to nothing
+    for ids in ([-1], [1.0], "hi", 5, None, [VOCAB], [10 ** 9]):
+        message = f"{ids!r}: not token ids below {VOCAB}"
         with pytest.raises(UserError, match=re.escape(message)):
             tokenizer.decode(ids)
+    assert tokenizer.decode([VOCAB - 1]) == ""  # the model's padding past the tokenizer's ids
 
 
 # ---------------------------------------------------------------- decode modes
@@ -2129,9 +2138,8 @@ def test_compile_without_a_cpp_compiler_is_one_line(tiny):
 
 
 def test_compile_and_cuda_graph_are_alternatives(tiny):
-    with pytest.raises(SystemExit) as e:
-        G.main(["--checkpoint", tiny, "--prompt", "hi", "--compile", "--cuda-graph"])
-    assert str(e.value.code) == "error: argument --cuda-graph: not allowed with argument --compile"
+    one_line_error(cli("--device", "cpu", "--checkpoint", tiny, "--prompt", "hi", "--compile",
+                       "--cuda-graph"), "compile and cuda_graph: choose one")
     with pytest.raises(UserError, match="compile and cuda_graph: choose one"):
         generator(tiny, compile=True, cuda_graph=True)
     with pytest.raises(UserError, match="cuda_graph needs a CUDA device: leave out --cuda-graph"):
@@ -2251,7 +2259,7 @@ def test_chat_template_renders_as_transformers_does(tiny, thinking):
     """Qwen3's own template (the hub's tokenizer_config.json, copied by the converter), rendered by
     us and by transformers' apply_chat_template from the same files."""
     import transformers
-    ours = G.Tokenizer(tiny)
+    ours = G.Tokenizer(tiny, VOCAB)
     assert ours.chat_template == QWEN3_CHAT_TEMPLATE
     theirs = transformers.PreTrainedTokenizerFast(
         tokenizer_file=os.path.join(tiny, "tokenizer.json"))
@@ -2275,32 +2283,58 @@ def test_chat_template_from_the_checkpoint_first_refused_where_it_has_none(tiny,
     own = tmp_path / "own"
     shutil.copytree(tiny, own)
     (own / "chat_template.jinja").write_text("{{ messages[-1].content | upper }}")
-    assert G.Tokenizer(str(own)).chat(user_says("hi")) == "HI"
+    assert G.Tokenizer(str(own), VOCAB).chat(user_says("hi")) == "HI"
     (own / "chat_template.jinja").write_text("{{ messages[0].content | no_such_filter }}")
     with pytest.raises(UserError, match="the checkpoint's chat template fails: .*no_such_filter"):
-        G.Tokenizer(str(own)).chat(user_says("hi"))
+        G.Tokenizer(str(own), VOCAB).chat(user_says("hi"))
     # Hugging Face's raise_exception: the template's own words
     (own / "chat_template.jinja").write_text("{{ raise_exception('Roles must alternate.') }}")
     with pytest.raises(UserError, match="chat template fails: Roles must alternate.$"):
-        G.Tokenizer(str(own)).chat(user_says("hi"))
+        G.Tokenizer(str(own), VOCAB).chat(user_says("hi"))
+    # Nothing to prompt with: the template's fault, not the prompt's
+    (own / "chat_template.jinja").write_text("{% if false %}x{% endif %} ")
+    with pytest.raises(UserError, match="the chat template renders these messages as blank"):
+        G.Tokenizer(str(own), VOCAB).chat(user_says("hi"))
+    one_line_error(cli("--device", "cpu", "--checkpoint", str(own), "--prompt", "hi", "--chat"),
+                   "the chat template renders these messages as blank")
     for failing in ("{{ 1 / 0 }}", "{% for i in range(10 ** 9) %}{% endfor %}"):
         (own / "chat_template.jinja").write_text(failing)  # Python's errors, not Jinja's
         with pytest.raises(UserError, match="the checkpoint's chat template fails: "):
-            G.Tokenizer(str(own)).chat(user_says("hi"))
+            G.Tokenizer(str(own), VOCAB).chat(user_says("hi"))
     # Arguments of the wrong kind: ours to refuse, not the template's
-    with pytest.raises(UserError, match="each a role and a str content"):
-        G.Tokenizer(str(own)).chat([{"role": "user", "content": 5}])
+    with pytest.raises(UserError, match=r"each a role \(system, user or assistant\) and a str"):
+        G.Tokenizer(str(own), VOCAB).chat([{"role": "user", "content": 5}])
     with pytest.raises(UserError, match="thinking 'no': True or False"):
-        G.Tokenizer(str(own)).chat(user_says("hi"), thinking="no")
+        G.Tokenizer(str(own), VOCAB).chat(user_says("hi"), thinking="no")
     (own / "chat_template.jinja").write_bytes(b"\xff{{ messages }}")
     with pytest.raises(UserError, match="chat_template.jinja is not UTF-8 text"):
-        G.Tokenizer(str(own))
+        G.Tokenizer(str(own), VOCAB)
     (own / "chat_template.jinja").unlink()
     (own / "tokenizer_config.json").unlink()
     with pytest.raises(UserError, match="the checkpoint has no chat template"):
-        G.Tokenizer(str(own)).chat(user_says("hi"))
+        G.Tokenizer(str(own), VOCAB).chat(user_says("hi"))
     one_line_error(cli("--device", "cpu", "--checkpoint", str(own), "--prompt", "hi", "--chat"),
                    "the checkpoint has no chat template: plain prompts only")
+
+
+def test_a_tokenizer_of_another_model_is_refused(tiny, tmp_path):
+    """A tokenizer.json of more ids than the model's, or of fewer by a thousand or more (a model
+    pads its tokenizer's ids by a few hundred at most): another model's, whose ids the model can't
+    embed or whose tokens the model's ids would decode to nothing."""
+    from tokenizers import Tokenizer, models
+    bigger = tmp_path / "bigger"
+    shutil.copytree(tiny, bigger)
+    words = {f"w{i}": i for i in range(VOCAB + 1)}
+    Tokenizer(models.WordLevel(words, unk_token="w0")).save(str(bigger / "tokenizer.json"))
+    # The tests' tokenizer for a model of 2,048 ids
+    hf, wider = converted(tmp_path, vocab=2048)
+    size = convert.read_tokenizer(tiny).get_vocab_size()
+    for path, tokens, vocab in [(bigger, VOCAB + 1, VOCAB), (wider, size, 2048)]:
+        message = f"tokenizer.json of {tokens} tokens for a model of {vocab}: another model's"
+        with pytest.raises(UserError, match=re.escape(message)):
+            G.load(str(path))
+        one_line_error(cli("--device", "cpu", "--checkpoint", str(path), "--prompt", "hi"),
+                       message)
 
 
 def test_convert_copies_the_chat_template_file(tmp_path):
@@ -2308,7 +2342,7 @@ def test_convert_copies_the_chat_template_file(tmp_path):
     hf_checkpoint(str(src))
     (src / "chat_template.jinja").write_text("{{ messages[0].content }}!")
     convert.convert(str(src), str(tmp_path / "out"))
-    assert G.Tokenizer(str(tmp_path / "out")).chat(user_says("hey")) == "hey!"
+    assert G.Tokenizer(str(tmp_path / "out"), VOCAB).chat(user_says("hey")) == "hey!"
 
 
 def ctrl_c_at_the_second_check(monkeypatch):
@@ -2409,11 +2443,13 @@ def test_the_cache_holds_a_buckets_length(tiny, monkeypatch, capsys):
     (["--temperature", "1e-45"], "temperature 1e-45: must be 0 (greedy) or at least 0.001"),
     (["--seed", "1180591620717411303424"], "--seed 1180591620717411303424: must be in [0, 2^64)"),
     (["--seed", "-1"], "--seed -1: must be in [0, 2^64)"),
-    (["--top-k", "-2"], "top_k -2: must be an int >= 0"),
+    (["--top-k", "-2"], "top_k must be an int of at least 0, not -2"),
     (["--prompt", "   "], "empty prompt"),
-    (["--max-new-tokens", "100", "--cache-len", "50"], "over the cache length"),
+    (["--max-new-tokens", "100", "--cache-len", "50"],
+     "over the cache length (50): fewer --max-new-tokens, or a longer --cache-len"),
     (["--max-new-tokens", "5000"], "max new tokens (5000) is over the cache length (2048)"),
-    (["--cache-len", "5000"], "a cache of 5000 positions is over the model's 2048"),
+    (["--cache-len", "5000"],
+     "a cache of 5000 positions is over the model's 2048: ask for fewer positions (--cache-len)"),
     (["--stop-ids"], "argument --stop-ids: expected at least one argument"),
     (["--cache-len", "-5"], "--cache-len: must be at least 1"),
     (["--cache-len", "-1"], "--cache-len: must be at least 1"),
@@ -3682,7 +3718,8 @@ def test_chat_compiled_compiles_the_decode_step_once(tiny):
 def test_chat_through_a_pipe(tiny):
     """Turns from a pipe: replies streamed, a report each; Ctrl-C in the first reply stops it and
     the conversation goes on; a line that is not UTF-8 and a turn too long alone are refused in
-    one line each; a conversation that outgrows the cache starts over; an empty line ends it."""
+    one line each (a pipe's line is not to be typed again), and the exit status is 1 once the input
+    ends; a conversation that outgrows the cache starts over; an empty line ends it."""
     too_long = " ".join(["word"] * 80)
     turns = ["hello", "and then?", "\udcff bad", too_long, "one more", "and again", "more", "",
              "unread"]
@@ -3695,11 +3732,11 @@ def test_chat_through_a_pipe(tiny):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, input=stdin,
                        timeout=LIMIT)
     stderr = r.stderr.decode().splitlines()
-    assert r.returncode == 0, stderr
+    assert r.returncode == 1, stderr
     reports = [line for line in stderr if "prefilled" in line]
     assert "Interrupted: 5 new tokens" in reports[0], stderr
     assert len(reports) == 5 and " 0 reused" not in reports[1], stderr
-    assert stderr.count("error: that line is not UTF-8 text: type it again") == 1
+    assert stderr.count("error: that line is not UTF-8 text") == 1
     refused = [line for line in stderr if line.startswith("error: this turn (")]
     assert len(refused) == 1 and "over the cache length (96)" in refused[0], stderr
     assert sum("starts over from the system message" in line for line in stderr) == 1, stderr

@@ -344,7 +344,8 @@ def speculate(a: argparse.Namespace) -> list:
     if a.checkpoint:
         target, draft = (G.load_model(path, "cuda") for path in (a.checkpoint, a.draft_checkpoint))
         source = inspect.getsource(torch.nn.modules.linear)
-        prompt = G.Tokenizer(a.checkpoint).encode(source)[:a.prompt]
+        tokenizer = G.Tokenizer(a.checkpoint, target.args.vocab_size)
+        prompt = tokenizer.encode(source)[:a.prompt]
     else:
         target = random_model(a.size, a.quant)
         if a.draft_quant:
