@@ -14,6 +14,7 @@ This file also holds what both formats' readers share (generate.py and quantize.
 checks of config.json, the safetensors index, the one-line errors.
 """
 import argparse
+import atexit
 import contextlib
 import dataclasses
 import importlib
@@ -352,8 +353,8 @@ def write_checkpoint(out: str, tensors, count: int, config: dict, src: pathlib.P
     require(not out.exists(), f"{out} exists: choose another --output (nothing is replaced)")
     # Hidden, beside it: a second conversion to `out` finds it and stops before any work
     tmp = out.with_name(f".converting-{out.name}")
-    require(not tmp.exists(), f"{tmp} exists: another conversion to {out} is running, or was "
-            "killed outright (SIGKILL, out of memory): remove it if none runs")
+    require(not tmp.exists(), f"{tmp} exists: another conversion to {out} is running, or "
+            "died (SIGKILL, out of memory): remove it if none runs")
     # Read by setting it: the shards get 0666 less it, as the snapshot's files
     umask = os.umask(0)
     os.umask(umask)
@@ -407,6 +408,10 @@ def run_command(command, argv, interrupted: str) -> None:
     signal.signal(signal.SIGHUP, signal.default_int_handler)
     try:
         command(argv)
+        # Done: ignored from the exit on, where a signal would interrupt torch's clean-up with a
+        # traceback (atexit calls the last registered first)
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            atexit.register(signal.signal, signum, signal.SIG_IGN)
     except KeyboardInterrupt:
         newline = "\n" if sys.stderr.isatty() else ""
         print(f"{newline}{interrupted}", file=sys.stderr)
@@ -440,8 +445,7 @@ def convert_command(argv) -> None:
     args = parser.parse_args(argv)
     name = f"converted-{args.quantize}" if args.quantize else "converted"
     out = os.path.join(args.checkpoint_dir, name) if args.output is None else args.output
-    shard_bytes = args.shard_size_mb << 20
-    convert(args.checkpoint_dir, out, args.quantize, shard_bytes, args.group_size)
+    convert(args.checkpoint_dir, out, args.quantize, args.shard_size_mb << 20, args.group_size)
     # On stderr, as every message: stdout may be full, though the checkpoint is written
     print(f"wrote {out}", file=sys.stderr)
 

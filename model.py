@@ -335,8 +335,7 @@ class Transformer(nn.Module):
 
     def setup_cache(self, slots: int, capacity: int):
         """Allocates a StaticKVCache per layer and the RoPE tables for positions [0, capacity)."""
-        device = self.norm.weight.device
-        dtype = self.norm.weight.dtype
+        device, dtype = self.norm.weight.device, self.norm.weight.dtype
         for layer in self.layers:
             layer.self_attn.kv_cache = StaticKVCache(slots, self.args.num_key_value_heads,
                                                      capacity, self.args.head_dim, dtype, device)
@@ -373,8 +372,7 @@ class Transformer(nn.Module):
             torch._assert_async((positions == attended).all(), "kv_len T needs positions 0 ... T-1")
         # (R, 1, T, kv_len), causal: it hides the unwritten and stale positions too
         mask = None if prompt else (attended <= positions[..., None])[:, None]
-        cos = self.rope_cos[positions][:, :, None]
-        sin = self.rope_sin[positions][:, :, None]
+        cos, sin = self.rope_cos[positions][:, :, None], self.rope_sin[positions][:, :, None]
         ctx = ForwardContext(positions=positions, cos=cos, sin=sin, mask=mask, kv_len=kv_len)
         x = self.embed_tokens(tokens)
         for layer in self.layers:

@@ -1241,6 +1241,23 @@ def test_convert_stopped_by_a_signal_leaves_nothing(snapshot, tmp_path, signal_n
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 
+def test_a_signal_while_a_finished_command_exits_is_quiet(snapshot, tmp_path):
+    """Ctrl-C, SIGTERM or SIGHUP once the work is done, during the interpreter's exit (torch's
+    atexit clean-up): ignored, where it would interrupt that clean-up with a traceback."""
+    patch = """
+        import atexit, os, signal, time
+        def signals_at_exit():  # registered first: called after the command's own
+            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                os.kill(os.getpid(), signum)
+                time.sleep(0.05)
+        atexit.register(signals_at_exit)"""
+    out = tmp_path / "out"
+    r = with_patch(patch, "convert_hf_checkpoint.py", "--checkpoint-dir", str(snapshot),
+                   "--output", str(out))
+    assert r.returncode == 0 and r.stderr == f"wrote {out}\n", r.stderr
+    assert (out / "config.json").is_file()
+
+
 def test_convert_names_shards_as_the_hub_does(snapshot, tmp_path):
     """model-00001-of-0000N.safetensors, in the order the tensors were written."""
     convert.convert(str(snapshot), str(tmp_path / "out"), shard_bytes=1 << 16)
