@@ -639,15 +639,20 @@ def decode_attention(qkv: Tensor, cache_k: Tensor, cache_v: Tensor, positions: T
     head_dim) of model.rope_tables; q_norm / k_norm: the RMSNorm weights. Each query attends to
     its row's keys at positions <= its own, split into programs per (query, kv head) so that one
     query still fills the GPU; returns (R x T, heads, head_dim). kv_len bounds the positions (the
-    attended length) and sets the number of splits: a block of keys each (32 keys, or 64 past
-    512) until there are 32, then more blocks each; any kv_len gives the same result."""
+    attended length) and, with the number of queries, sets the number of splits: a block of keys
+    each (32 keys, or 64 past 512) until there are 32, or about 256 programs in all, then more
+    blocks each; any kv_len gives the same result."""
     # Keys a block: 32 up to 512 keys (short contexts gain from more, shorter programs), then 64
     # (fewer iterations a split, once the splits reach 32); the best of sweeps (bench/RESULTS.md)
     block = 32 if kv_len <= 512 else 64
-    # A power of two: the merge
-    splits = min(32, triton.next_power_of_2(triton.cdiv(kv_len, block)))
     tokens, T = positions.numel(), positions.shape[1]
     _, kv_heads, _, head_dim = cache_k.shape
+    # Splits, a power of two (the merge): a block each at least, and about 256 programs in all, as
+    # one token's 8 kv heads in 32 splits (each split normalises and rotates its queries anew, and
+    # many rows fill the GPU with fewer: bench/RESULTS.md); 1 << fill.bit_length() - 1 is the
+    # power of two at or below fill
+    fill = max(1, 256 // (tokens * kv_heads))
+    splits = min(32, triton.next_power_of_2(triton.cdiv(kv_len, block)), 1 << fill.bit_length() - 1)
     partial = torch.empty(tokens, heads, splits, head_dim, dtype=torch.float32, device=qkv.device)
     lse = torch.empty(tokens, heads, splits, dtype=torch.float32, device=qkv.device)
     # tl.dot wants blocks of at least 16
@@ -661,11 +666,10 @@ def decode_attention(qkv: Tensor, cache_k: Tensor, cache_v: Tensor, positions: T
     sizes = dict(eps=eps, sm_scale=head_dim ** -0.5, Q_PER_KV=q_per_kv, HEAD_DIM=head_dim,
                  G=max(16, triton.next_power_of_2(q_per_kv + 1)), D=D, BLOCK=block, num_warps=8,
                  **dependent_launch(qkv))
-    alone = T == 1
-    if not alone:
+    if T > 1:
         # every new key and value in place before any query reads them: one split a query
         _attention[(tokens, kv_heads, 1)](*args, SPLITS=1, STORE=True, ATTEND=False, **sizes)
-    _attention[(tokens, kv_heads, splits)](*args, SPLITS=splits, STORE=alone, ATTEND=True,
+    _attention[(tokens, kv_heads, splits)](*args, SPLITS=splits, STORE=T == 1, ATTEND=True,
                                            **sizes)
     out = torch.empty(tokens, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     _merge[(tokens * heads,)](partial, lse, out, HEAD_DIM=head_dim, D=D, SPLITS=splits,
