@@ -14,12 +14,10 @@ This file also holds what both formats' readers share (generate.py and quantize.
 checks of config.json, the safetensors index, the one-line errors.
 """
 import argparse
-import atexit
 import contextlib
 import dataclasses
 import importlib
 import json
-import math
 import os
 import pathlib
 import shutil
@@ -127,7 +125,7 @@ def read_tensor(file: str, name: str) -> torch.Tensor:
 
 
 # The supported architectures, each with its model_type
-SUPPORTED = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
+SUPPORTED = [(["Qwen3ForCausalLM"], "qwen3"), (["Qwen3MoeForCausalLM"], "qwen3_moe")]
 # The JSON types a config.json value may have, by the type of its ModelArgs field. A bool is no int
 # here.
 CONFIG_TYPES = {int: (int,), float: (int, float), bool: (bool,),
@@ -139,6 +137,9 @@ REQUIRED = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attent
 # not
 POSITIVE = [*REQUIRED, "head_dim", "rope_theta", "num_experts_per_tok", "moe_intermediate_size",
             "decoder_sparse_step"]
+# Past every number of a Qwen3's config.json: a bound that NaN, infinity and ints of any size fail
+# without overflowing a float
+LARGEST = 2**40
 # YaRN's numbers, each above 0 where given: its formula takes their logarithms or divides by them
 YARN_POSITIVE = ["factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
                  "attention_factor"]
@@ -147,10 +148,11 @@ YARN_POSITIVE = ["factor", "original_max_position_embeddings", "beta_fast", "bet
 def model_args(config: dict) -> ModelArgs:
     """The model of a config.json, a Hugging Face one or ours, refused in one line where its values
     describe none we run: of the wrong type, not finite, or out of the bounds the model needs."""
-    architecture = (config.get("architectures") or ["Qwen3ForCausalLM"])[0]
+    architectures = config.get("architectures") or ["Qwen3ForCausalLM"]
     model_type = config.get("model_type", "qwen3")
-    supported = SUPPORTED.get(architecture) == model_type
-    require(supported, f"{architecture} (model_type {model_type}) is no Qwen3 we support")
+    # Compared (a dict's keys would be hashed): config.json may hold anything there
+    supported = (architectures, model_type) in SUPPORTED
+    require(supported, f"{architectures} (model_type {model_type}) is no Qwen3 we run")
     windowed = config.get("use_sliding_window")
     require(not windowed, "config.json: sliding-window attention is not supported")
     settings = [config.get(name) for name in ("rope_parameters", "rope_scaling")]
@@ -166,7 +168,7 @@ def model_args(config: dict) -> ModelArgs:
             if key not in ("rope_type", "type")}
     yarn = yarn if rope_type == "yarn" else config.get("yarn") or {}
     numbers = isinstance(yarn, dict) and all(
-        type(v) in (int, float, bool) and math.isfinite(v) for v in yarn.values())
+        type(v) in (int, float, bool) and abs(v) < LARGEST for v in yarn.values())
     require(numbers, f"config.json: YaRN parameters {yarn} are not all finite numbers")
     given = {**config, "rope_theta": rope.get("rope_theta", config.get("rope_theta"))}
     given["num_experts"] = config.get("num_local_experts", config.get("num_experts"))
@@ -176,8 +178,8 @@ def model_args(config: dict) -> ModelArgs:
             raise UserError(f"config.json: {name} is missing; download or convert it again")
         if value is None:
             continue
-        # NaN and infinity make no model
-        finite = type(value) not in (int, float) or math.isfinite(value)
+        # NaN, infinity and numbers past any model's make no model (NaN fails the comparison)
+        finite = type(value) not in (int, float) or abs(value) < LARGEST
         negative_int = type(value) is int and value < 0
         if type(value) not in CONFIG_TYPES[spec.type] or not finite or negative_int:
             raise UserError(f"config.json: {name} is {value!r}, not a valid value")
@@ -403,15 +405,16 @@ def run_command(command, argv, interrupted: str) -> None:
     terminal, a job scheduler) stop it as Ctrl-C does, through the same clean-up, and exit 130
     saying `interrupted` (on a terminal, after ending the line that the interrupt cut short). One
     of the USER_ERRORS exits 1 in one line; a stdout closed early (`| head`) quietly, as Unix tools
-    do."""
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    signal.signal(signal.SIGHUP, signal.default_int_handler)
+    do. Once the command is done, these signals and Ctrl-C are ignored: the process is ending (a
+    caller in Python that goes on sets its own handlers again)."""
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.default_int_handler)
     try:
         command(argv)
-        # Done: ignored from the exit on, where a signal would interrupt torch's clean-up with a
-        # traceback (atexit calls the last registered first)
+        # Done: ignored from here on, where a signal would interrupt the interpreter's exit (its
+        # threads' and torch's clean-up) with a traceback
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            atexit.register(signal.signal, signum, signal.SIG_IGN)
+            signal.signal(signum, signal.SIG_IGN)
     except KeyboardInterrupt:
         newline = "\n" if sys.stderr.isatty() else ""
         print(f"{newline}{interrupted}", file=sys.stderr)

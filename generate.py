@@ -7,7 +7,6 @@
 import argparse
 import dataclasses
 import functools
-import math
 import os
 import pathlib
 import re
@@ -44,8 +43,8 @@ class SamplingParams:
         temperature, top_k, top_p = self.temperature, self.top_k, self.top_p
         # Below 0.001, logits / temperature overflows fp32 (and would be greedy anyway)
         usable = type(temperature) in (int, float) and (temperature == 0 or temperature >= 1e-3)
-        require(usable and temperature < math.inf,
-                f"temperature {temperature!r}: must be 0 (greedy) or at least 0.001")
+        require(usable and temperature < 1e6,
+                f"temperature {temperature!r}: must be 0 (greedy) or in [0.001, 1e6)")
         check_count("top_k", top_k, least=0)
         usable = type(top_p) in (int, float) and 0 < top_p <= 1
         require(usable, f"top_p {top_p!r}: must be in (0, 1]")
@@ -133,7 +132,7 @@ def bucket(length: int, capacity: int) -> int:
     # The next, at least 64
     power_of_two = max(64, 1 << (length - 1).bit_length())
     step = 256 if length > 2048 else power_of_two
-    return min(capacity, math.ceil(length / step) * step)
+    return min(capacity, (length + step - 1) // step * step)
 
 
 class CUDAGraphs:
@@ -210,7 +209,8 @@ class Generator:
         require(isinstance(model, Transformer), f"model {model!r}: not a Transformer")
         check_count("batch", batch)
         check_count("capacity", capacity)
-        require(isinstance(sampling, SamplingParams), f"sampling {sampling!r}: a SamplingParams")
+        require(isinstance(sampling, SamplingParams),
+                f"sampling {sampling!r}: a SamplingParams")
         device = model.norm.weight.device
         require(not (compile and cuda_graph), "compile and cuda_graph: choose one")
         on_cuda = device.type == "cuda"
@@ -537,7 +537,7 @@ def load_model(path: str, device="cpu", dtype: torch.dtype | None = None,
         args = split.rank_args(args, config)
     with torch.device("meta"):
         model = Transformer(args)
-        if config["quantization"]:
+        if config.get("quantization"):
             # "PATH is int8: loading it needs quantize.py" where it is missing
             quantize = optional("quantize", f"{path} is {config['quantization']}: loading it")
             quantize.swap_in(model, config)

@@ -54,6 +54,8 @@ class ModelArgs:
         """From a config.json: a Hugging Face Qwen3 or Qwen3-MoE one, or the one our converter
         writes. It reads and doesn't check: the converter and generate.py's loader check a file's
         values first."""
+        # A null is a value not set, as transformers reads it: the default
+        config = {key: value for key, value in config.items() if value is not None}
         names = {spec.name for spec in fields(cls)}
         args = cls(**{key: value for key, value in config.items() if key in names})
         # transformers 5 writes the hub's num_experts as num_local_experts

@@ -248,7 +248,7 @@ def quantize_command(argv) -> None:
 def quantize_checkpoint(path: str, out: str, mode: str, group_size: int | None = None) -> None:
     """A converted bf16 checkpoint `path`, quantized as `mode` into `out`: a tensor at a time."""
     config = convert.converted_config(path)
-    if config["quantization"] is not None:
+    if config.get("quantization") is not None:
         raise convert.UserError(f"{path} is already {config['quantization']}: quantize its "
                                 "bf16 conversion")
     with torch.device("meta"):

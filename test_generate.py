@@ -58,6 +58,17 @@ GREEDY = G.SamplingParams()
 
 
 @pytest.fixture(autouse=True)
+def own_signal_handlers():
+    """A command's main() run in this process (cli) sets SIGTERM's and SIGHUP's handlers and, once
+    done, ignores those and Ctrl-C: pytest's are put back after each test."""
+    numbers = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    handlers = {number: signal.getsignal(number) for number in numbers}
+    yield
+    for number, handler in handlers.items():
+        signal.signal(number, handler)
+
+
+@pytest.fixture(autouse=True)
 def fresh_dynamo():
     """Every Generator compiles the same step function anew: without a reset, a run of compiling
     tests reaches dynamo's recompile limit (8), which fails with fullgraph=True."""
@@ -408,8 +419,6 @@ def cli(*args, stdin=None, env=None, script="generate.py"):
     streams, imports) start one with run_process."""
     module = importlib.import_module(script.removesuffix(".py"))
     streams = sys.stdin, sys.stdout, sys.stderr
-    # main() sets SIGTERM's and SIGHUP's handlers (run_command): pytest's are put back after
-    handlers = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGHUP)}
     environment = dict(os.environ)
     out, err = io.StringIO(), io.StringIO()
     sys.stdin, sys.stdout, sys.stderr = io.StringIO(stdin or ""), out, err
@@ -421,8 +430,6 @@ def cli(*args, stdin=None, env=None, script="generate.py"):
         status = e.code or 0
     finally:
         sys.stdin, sys.stdout, sys.stderr = streams
-        for number, handler in handlers.items():
-            signal.signal(number, handler)
         os.environ.clear()
         os.environ.update(environment)
     if isinstance(status, str):
@@ -935,6 +942,7 @@ def test_buckets():
     buckets = [64, 64, 128, 128, 256, 1024, 2048, 2304, 2304, 4352, 32000, 32256]
     assert [G.bucket(n, 40960) for n in lengths] == buckets
     assert G.bucket(3000, 3000) == 3000 and G.bucket(100, 90) == 90
+    assert G.bucket(10 ** 400, 4096) == 4096  # exact: no float to overflow
 
 
 # ---------------------------------------------------------------- converter
@@ -1650,8 +1658,9 @@ def test_sampling_settings_from_generation_config_are_checked_as_flags_are():
     assert (G.SamplingParams.from_generation_config({**config, "do_sample": False})
             == G.SamplingParams())
     assert G.SamplingParams.from_generation_config({}) == G.SamplingParams()
-    for bad, message in [({"temperature": -1}, "must be 0 (greedy) or at least 0.001"),
-                         ({"temperature": 1e-45}, "at least 0.001"),
+    for bad, message in [({"temperature": -1}, "must be 0 (greedy) or in [0.001, 1e6)"),
+                         ({"temperature": 1e-45}, "in [0.001, 1e6)"),
+                         ({"temperature": 10 ** 400}, "in [0.001, 1e6)"),
                          ({"temperature": "hot"}, "temperature 'hot'"),
                          ({"top_p": 1.5}, "must be in (0, 1]"), ({"top_k": 2.5}, "not 2.5"),
                          ({"top_k": True}, "top_k must be an int"), ({"top_p": [1]}, "top_p [1]")]:
@@ -2451,13 +2460,14 @@ def test_the_cache_holds_a_buckets_length(tiny, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--temperature", "-1"], "temperature -1.0: must be 0 (greedy) or at least 0.001"),
-    (["--temperature", "nan"], "temperature nan: must be 0 (greedy) or at least 0.001"),
+    (["--temperature", "-1"], "temperature -1.0: must be 0 (greedy) or in [0.001, 1e6)"),
+    (["--temperature", "nan"], "temperature nan: must be 0 (greedy) or in [0.001, 1e6)"),
+    (["--max-new-tokens", str(10 ** 400)], "is over the cache length (2048)"),
     # what Python makes of a non-UTF-8 argument
     (["--prompt", "caf\udce9"], "is not a str of valid UTF-8 text"),
     (["--top-p", "0"], "top_p 0.0: must be in (0, 1]"),
     (["--top-p", "1.5"], "top_p 1.5: must be in (0, 1]"),
-    (["--temperature", "1e-45"], "temperature 1e-45: must be 0 (greedy) or at least 0.001"),
+    (["--temperature", "1e-45"], "temperature 1e-45: must be 0 (greedy) or in [0.001, 1e6)"),
     (["--seed", "1180591620717411303424"], "--seed 1180591620717411303424: must be in [0, 2^64)"),
     (["--seed", "-1"], "--seed -1: must be in [0, 2^64)"),
     (["--top-k", "-2"], "top_k must be an int of at least 0, not -2"),
@@ -2524,7 +2534,7 @@ def test_cli_bad_files_one_line(tiny, tmp_path):
                lambda p: edit_json(p / "generation_config.json", temperature="hot")):
             "temperature 'hot'",
         broken("genconfig-cold", lambda p: edit_json(p / "generation_config.json", temperature=-1)):
-            "temperature -1: must be 0 (greedy) or at least 0.001",
+            "temperature -1: must be 0 (greedy) or in [0.001, 1e6)",
         str(tmp_path / "hf"): "is a Hugging Face snapshot or an older conversion: convert the",
         # converted when gate_up_proj's rows were interleaved: its config.json says "pairs"
         broken("older", lambda p: edit_json(p / "config.json", gate_up="pairs")):
@@ -2734,8 +2744,16 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
      "YaRN parameters {'factor': '4', 'original_max_position_embeddings': 32} are not all finite"),
     ({"yarn": [4]}, "YaRN parameters [4] are not all finite numbers"),
     # sizes past any Qwen3's, each: building the model would take minutes, or overflow
-    *[({name: 10 ** 30}, "sizes far past any Qwen3's") for name in
+    *[({name: 2 ** 39}, "sizes far past any Qwen3's") for name in
       ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size", "head_dim")],
+    # numbers past any config.json's: an int too large for a float, an overflowing YaRN context
+    *[({name: 10 ** 400}, "0, not a valid value") for name in
+      ("num_hidden_layers", "rms_norm_eps", "rope_theta", "max_position_embeddings")],
+    ({"rope_parameters": {**YARN, "factor": 1e308}}, "YaRN parameters {'factor': 1e+308"),
+    ({"rope_parameters": {**YARN, "factor": 10 ** 400}}, "are not all finite numbers"),
+    # architectures of any JSON type
+    *[({"architectures": value}, "(model_type qwen3) is no Qwen3 we run")
+      for value in ([["Qwen3ForCausalLM"]], {"a": 1}, 5, "Qwen3ForCausalLM")],
     ({"num_hidden_layers": 5000}, "sizes far past any Qwen3's"),
     ({**MOE, "num_experts": 2 ** 30, "moe_intermediate_size": 2 ** 20},
      "sizes far past any Qwen3's"),
@@ -2743,8 +2761,18 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 def test_config_values_that_describe_no_model_are_refused(changes, message):
     """Each value that leaves the model undefined, refused by the checks that the converter (before
     it writes) and generate.py's loader share, naming the field."""
-    with pytest.raises(UserError, match=re.escape(f"config.json: {message}")):
+    with pytest.raises(UserError, match=re.escape(message)):
         convert.model_args({**CONFIG_BASE, **changes})
+
+
+def test_config_nulls_are_the_defaults():
+    """A null, as transformers reads it: the value not set."""
+    names = ["yarn", "num_experts", "rope_theta", "decoder_sparse_step", "num_experts_per_tok",
+             "mlp_only_layers", "head_dim", "rope_parameters", "num_local_experts"]
+    for config in (CONFIG_BASE, {**CONFIG_BASE, **MOE}):
+        nulls = {name: None for name in names if name not in config}
+        args = convert.model_args({**config, **nulls})
+        assert args == convert.model_args(config) and args.yarn == {} and args.mlp_only_layers == []
 
 
 def test_config_values_refused_in_one_line_by_both_commands(snapshot, tiny, tmp_path):
