@@ -155,6 +155,8 @@ def group_size_of(config: dict) -> int | None:
     if mode == "int8":
         return None
     size = config.get("group_size")
+    convert.require(size is not None, "config.json: int4 without its group_size: quantize the "
+                    "bf16 checkpoint again")
     convert.require(is_group_size(size), f"config.json: int4's group_size {size!r} is no power of "
                     "two of at least 8: quantize the bf16 checkpoint again")
     return size
@@ -248,7 +250,8 @@ def quantize_command(argv) -> None:
 def quantize_checkpoint(path: str, out: str, mode: str, group_size: int | None = None) -> None:
     """A converted bf16 checkpoint `path`, quantized as `mode` into `out`: a tensor at a time."""
     config = convert.converted_config(path)
-    if config.get("quantization") is not None:
+    # null (or any false value): not quantized, as generate.py reads it
+    if config.get("quantization"):
         raise convert.UserError(f"{path} is already {config['quantization']}: quantize its "
                                 "bf16 conversion")
     with torch.device("meta"):

@@ -1584,7 +1584,7 @@ def test_int4_bad_inputs_are_one_line(tiny, tmp_path, snapshot, capsys):
     Q.quantize_checkpoint(tiny, out, "int4", 16)
     for changes, message in ((dict(quantization="int3"), "unknown quantization 'int3'"),
                              (dict(group_size="16"), "config.json: int4's group_size '16' is no"),
-                             (dict(group_size=None), "int4's group_size None is no power of two")):
+                             (dict(group_size=None), "int4 without its group_size: quantize")):
         edit_json(pathlib.Path(out, "config.json"), **changes)
         with pytest.raises(UserError, match=re.escape(message)):
             load(out)
