@@ -154,7 +154,7 @@ def model_args(config: dict) -> ModelArgs:
     supported = (architectures, model_type) in SUPPORTED
     require(supported, f"{architectures} (model_type {model_type}) is no Qwen3 we run")
     windowed = config.get("use_sliding_window")
-    require(not windowed, "config.json: sliding-window attention is not supported")
+    require(not windowed, "config.json: sliding-window attention is unsupported")
     settings = [config.get(name) for name in ("rope_parameters", "rope_scaling")]
     if all(settings) and settings[0] != settings[1]:
         raise UserError("config.json: rope_parameters and rope_scaling disagree: keep one")
@@ -169,7 +169,7 @@ def model_args(config: dict) -> ModelArgs:
     yarn = yarn if rope_type == "yarn" else config.get("yarn") or {}
     numbers = isinstance(yarn, dict) and all(
         type(v) in (int, float, bool) and abs(v) < LARGEST for v in yarn.values())
-    require(numbers, f"config.json: YaRN parameters {yarn} are not all finite numbers")
+    require(numbers, f"config.json: YaRN parameters {yarn} are not all numbers below 2^40")
     given = {**config, "rope_theta": rope.get("rope_theta", config.get("rope_theta"))}
     given["num_experts"] = config.get("num_local_experts", config.get("num_experts"))
     for spec in dataclasses.fields(ModelArgs):

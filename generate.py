@@ -490,8 +490,8 @@ class Tokenizer:
         roles = texts and {m.get("role") for m in messages}
         # At least one message, and each of a role the template knows
         known = roles and roles <= {"system", "user", "assistant"}
-        require(known, f"messages {messages!r}: a list of dicts, each a role (system, "
-                "user or assistant) and a str content")
+        require(known, f"messages {messages!r}: a list of one or more dicts, "
+                "each a role (system, user or assistant) and a str content")
         require(type(thinking) is bool, f"thinking {thinking!r}: True or False")
         import jinja2.sandbox
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
