@@ -832,33 +832,55 @@ def test_model_py_alone_runs_the_pytorch_path(tiny, tmp_path):
     assert torch.allclose(torch.load(tmp_path / "logits.pt"), want, atol=1e-6)
 
 
-def test_the_card_files_work_without_the_fast_path(tiny, tmp_path):
-    """model.py, generate.py and the converter without the optional files: they convert and
-    generate; int8 is refused in one line."""
+def test_the_card_files_work_without_the_fast_path(tmp_path):
+    """model.py, generate.py and the converter alone, in a process of their own with nothing else
+    on its path: they convert and generate; int8 is refused in one line, nothing written, and no
+    optional file is imported. The commands run in that one process, each through its main(), as
+    a process each would import torch four times for the same point."""
     for name in ("model.py", "generate.py", "convert_hf_checkpoint.py"):
         shutil.copy(os.path.join(HERE, name), tmp_path)
     hf_checkpoint(str(tmp_path / "hf"))
-    env = {"PYTHONPATH": ""}
-    script = str(tmp_path / "convert_hf_checkpoint.py")
-    r = run_process(script, "--checkpoint-dir", str(tmp_path / "hf"), cwd=tmp_path, env=env)
+    commands = textwrap.dedent("""
+        import contextlib, io, json, shutil, sys
+        import convert_hf_checkpoint, generate
+
+        def run(main, *argv):  # (exit status, stderr) as a process would end
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                try:
+                    main(list(argv))
+                    return 0, err.getvalue()
+                except SystemExit as e:
+                    message = e.code if isinstance(e.code, str) else ""
+                    return (1 if message else e.code or 0), err.getvalue() + message
+
+        results = [run(convert_hf_checkpoint.main, "--checkpoint-dir", "hf")]
+        # Seeded: the checkpoint's sampling could otherwise draw an eos before the fifth token
+        results.append(run(generate.main, "--checkpoint", "hf/converted", "--prompt", "hello",
+                           "--max-new-tokens", "5", "--seed", "0", "--device", "cpu"))
+        results.append(run(convert_hf_checkpoint.main, "--checkpoint-dir", "hf", "--quantize",
+                           "int8"))
+        shutil.copytree("hf/converted", "int8")
+        config = json.load(open("int8/config.json"))
+        json.dump({**config, "quantization": "int8"}, open("int8/config.json", "w"))
+        results.append(run(generate.main, "--checkpoint", "int8", "--prompt", "hello", "--device",
+                           "cpu"))
+        optional = sorted(sys.modules.keys() & {"quantize", "qwen3_triton", "tp", "speculative"})
+        # A refusal leaves sys.stdout at os.devnull (run_command): a file, then
+        json.dump({"results": results, "optional": optional}, open("results.json", "w"))""")
+    r = subprocess.run([sys.executable, "-c", commands], capture_output=True, text=True,
+                       timeout=LIMIT, cwd=tmp_path, env={**os.environ, "PYTHONPATH": ""})
     assert r.returncode == 0, r.stderr
-    # Seeded: the checkpoint's sampling could otherwise draw an eos before the fifth token
-    r = run_process(str(tmp_path / "generate.py"), "--checkpoint",
-                    str(tmp_path / "hf" / "converted"), "--prompt", "hello", "--max-new-tokens",
-                    "5", "--seed", "0", "--device", "cpu", cwd=tmp_path, env=env)
-    assert r.returncode == 0 and "5 new tokens" in r.stderr, r.stderr
-    assert not os.path.exists(tmp_path / "qwen3_triton.py")
+    out = json.loads((tmp_path / "results.json").read_text())
+    converted, generated, int8_converted, int8_generated = out["results"]
+    assert converted[0] == 0, converted
+    assert generated[0] == 0 and "5 new tokens" in generated[1], generated
+    assert not os.path.exists(tmp_path / "qwen3_triton.py") and out["optional"] == []
     # int8 needs quantize.py: one line, nothing written
-    r = run_process(script, "--checkpoint-dir", str(tmp_path / "hf"), "--quantize", "int8",
-                    cwd=tmp_path, env=env)
-    assert r.returncode == 1 and r.stderr == "error: int8 needs quantize.py\n"
+    assert int8_converted == [1, "error: int8 needs quantize.py"], int8_converted
     assert not (tmp_path / "hf" / "converted-int8").exists()
-    shutil.copytree(tmp_path / "hf" / "converted", tmp_path / "int8")
-    edit_json(tmp_path / "int8" / "config.json", quantization="int8")
-    r = run_process(str(tmp_path / "generate.py"), "--checkpoint", str(tmp_path / "int8"),
-                    "--prompt", "hello", "--device", "cpu", cwd=tmp_path, env=env)
-    want = f"error: {tmp_path / 'int8'} is int8: loading it needs quantize.py\n"
-    assert r.returncode == 1 and r.stderr.endswith(want), r.stderr
+    want = "error: int8 is int8: loading it needs quantize.py"
+    assert int8_generated[0] == 1 and int8_generated[1].endswith(want), int8_generated
 
 
 def test_an_optional_file_there_but_broken_is_an_error(tmp_path, monkeypatch):
