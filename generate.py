@@ -639,7 +639,7 @@ def parse_args(argv=None, description: str = __doc__, prompts: bool = True) -> a
     if prompts:
         parser.add_argument("--prompt", action="append", help="repeat it for a batch, a row each")
         parser.add_argument("--chat", action="store_true", help="wrap each in the chat template")
-        parser.add_argument("--draft-checkpoint", help="speculative decoding: the draft model's")
+        parser.add_argument("--draft-checkpoint", help="speculative decoding's draft checkpoint")
         parser.add_argument("--speculate-k", type=positive, help="tokens drafted a round (4)")
     parser.add_argument("--system", help="the system message (generate.py: with --chat)")
     parser.add_argument("--no-think", action="store_true",
