@@ -42,12 +42,11 @@ class SamplingParams:
         # Each a number of its kind (a bool is none), then in its range; nan fails every comparison
         temperature, top_k, top_p = self.temperature, self.top_k, self.top_p
         # Below 0.001, logits / temperature overflows fp32 (and would be greedy anyway)
-        usable = type(temperature) in (int, float) and (temperature == 0 or temperature >= 1e-3)
-        require(usable and temperature < 1e6,
-                f"temperature {temperature!r}: must be 0 (greedy) or in [0.001, 1e6)")
+        fits = type(temperature) in (int, float) and (temperature == 0 or 1e-3 <= temperature < 1e6)
+        require(fits, f"temperature {temperature!r}: must be 0 (greedy) or in [0.001, 1e6)")
         check_count("top_k", top_k, least=0)
-        usable = type(top_p) in (int, float) and 0 < top_p <= 1
-        require(usable, f"top_p {top_p!r}: must be in (0, 1]")
+        fits = type(top_p) in (int, float) and 0 < top_p <= 1
+        require(fits, f"top_p {top_p!r}: must be in (0, 1]")
 
     @classmethod
     def from_generation_config(cls, generation_config: dict) -> "SamplingParams":
@@ -55,13 +54,17 @@ class SamplingParams:
         greedy."""
         do_sample = generation_config.get("do_sample", True)
         require(type(do_sample) is bool, "generation_config.json: do_sample must be true or false")
-        names = [spec.name for spec in dataclasses.fields(cls) if do_sample]
-        settings = {name: generation_config[name] for name in names
-                    if generation_config.get(name) is not None}
+        settings = sampling_settings(generation_config) if do_sample else {}
         try:
             return cls(**settings)
         except UserError as e:
             raise UserError(f"generation_config.json: {e}") from None
+
+
+def sampling_settings(values: dict) -> dict:
+    """The SamplingParams fields that `values` sets, to other than None."""
+    names = [spec.name for spec in dataclasses.fields(SamplingParams)]
+    return {name: values[name] for name in names if values.get(name) is not None}
 
 
 def sample(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -116,10 +119,10 @@ class DecodeState:
         self.sequences = torch.zeros(batch, capacity, dtype=torch.long, device=device)
         # The token each row feeds next, and its position
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros_like(self.tokens)
         # A prefill's positions, (R, T) at the start of this buffer: a graph captured for one
         # shape reads them at the one address it recorded, whatever position the prompts start at
-        self.prompt_positions = torch.zeros(batch, capacity, dtype=torch.long, device=device)
+        self.prompt_positions = torch.zeros_like(self.sequences)
 
 
 def bucket(length: int, capacity: int) -> int:
@@ -209,8 +212,7 @@ class Generator:
         require(isinstance(model, Transformer), f"model {model!r}: not a Transformer")
         check_count("batch", batch)
         check_count("capacity", capacity)
-        require(isinstance(sampling, SamplingParams),
-                f"sampling {sampling!r}: a SamplingParams")
+        require(isinstance(sampling, SamplingParams), f"sampling {sampling!r}: a SamplingParams")
         device = model.norm.weight.device
         require(not (compile and cuda_graph), "compile and cuda_graph: choose one")
         on_cuda = device.type == "cuda"
@@ -359,10 +361,15 @@ class Generator:
         cache from an earlier call (a conversation's earlier turns): only the prompts are
         prefilled. Ctrl-C (KeyboardInterrupt) during the decode loop ends it: what was made is
         returned (on_tokens is not called again), stats.interrupted set."""
-        self.check_prompts(prompts)
+        # A list of 1 to `batch` lists of token ids of the model's vocabulary, none empty
+        vocab = self.model.args.vocab_size
+        count = len(prompts) if isinstance(prompts, list) else 0
+        ids = count and all(isinstance(p, list) and p and token_ids(p, vocab) for p in prompts)
+        require(1 <= count <= self.batch and ids, f"give a list of 1 to {self.batch} prompts, each "
+                f"a list of token ids in [0, {vocab}), none empty")
         check_count("max_new", max_new)
         check_count("check_every", check_every)
-        require(token_ids(stop_ids, self.model.args.vocab_size),
+        require(token_ids(stop_ids, vocab),
                 f"stop_ids must be a set of the model's token ids, not {stop_ids!r}")
         check_count("start", start, least=0)
         require(on_tokens is None or callable(on_tokens), f"on_tokens {on_tokens!r}: a function")
@@ -385,7 +392,7 @@ class Generator:
                 # One wait a check, for the steps queued: the tokens a row has made (a step may make
                 # more than max_new); then, copied at once, every row's tokens from `start` on
                 produced = min(max_new, int(self.state.positions[0, 0]) - first + 1)
-                tails = self.state.sequences[:len(prompts), start:longest + produced].tolist()
+                tails = self.state.sequences[:count, start:longest + produced].tolist()
                 rows = [tail[len(prompt):][:produced]
                         for tail, prompt in zip(tails, prompts, strict=True)]
                 # Where each row's first stop token is, or None
@@ -422,15 +429,6 @@ class Generator:
                 # The rows are read once more, then returned
                 stats.interrupted = True
         return new_tokens, stats
-
-    def check_prompts(self, prompts) -> None:
-        """Refuses prompts that aren't a list of 1 to `batch` lists of token ids of the model's
-        vocabulary, none empty."""
-        vocab = self.model.args.vocab_size
-        count = len(prompts) if isinstance(prompts, list) else 0
-        ids = count and all(isinstance(p, list) and p and token_ids(p, vocab) for p in prompts)
-        require(1 <= count <= self.batch and ids, f"give a list of 1 to {self.batch} prompts, each "
-                f"a list of token ids in [0, {vocab}), none empty")
 
 
 def token_ids(ids, vocab: int) -> bool:
@@ -558,8 +556,8 @@ def load_model(path: str, device="cpu", dtype: torch.dtype | None = None,
                 state[name] = tensor
                 show_progress(f"loading {path}", len(state), len(tensors))
     found = {name: t.shape for name, t in state.items()}
-    names = expected.keys() | found.keys()
-    wrong = min((n for n in names if expected.get(n) != found.get(n)), default=None)
+    # A name in one of them alone, or at another shape in each
+    wrong = min((name for name, _ in expected.items() ^ found.items()), default=None)
     require(not wrong, f"{path}: weights do not match config.json ({wrong}); convert again")
     # The loaded tensors themselves, no copy; every one is checked above. A tied lm_head is not
     # among them: it is the embedding again.
@@ -660,8 +658,7 @@ def parse_args(argv=None, description: str = __doc__, prompts: bool = True) -> a
     args = parser.parse_args(argv)
     args.chat = args.chat if prompts else True
     # The flags that replace the checkpoint's sampling defaults, checked now, before loading
-    names = [spec.name for spec in dataclasses.fields(SamplingParams)]
-    args.sampling = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    args.sampling = sampling_settings(vars(args))
     SamplingParams(**args.sampling)
     in_range = args.seed is None or 0 <= args.seed < 1 << 64
     require(in_range, f"--seed {args.seed}: must be in [0, 2^64)")
