@@ -108,7 +108,7 @@ def list_tensors(directory, pattern: str) -> dict[str, str]:
         except Exception as e:
             # safetensors' own error type: a truncated or corrupt file
             raise UserError(f"{file}: not a readable safetensors file ({e})") from None
-        twice = min(tensors.keys() & set(names), default=None)
+        twice = min(tensors.keys() & names, default=None)
         require(not twice, f"{file}: tensor {twice} is in {tensors.get(twice)} too")
         tensors.update(dict.fromkeys(names, str(file)))
     return tensors
@@ -155,18 +155,18 @@ def model_args(config: dict) -> ModelArgs:
     require(supported, f"{architectures} (model_type {model_type}) is no Qwen3 we run")
     windowed = config.get("use_sliding_window")
     require(not windowed, "config.json: sliding-window attention is unsupported")
-    settings = [config.get(name) for name in ("rope_parameters", "rope_scaling")]
-    if all(settings) and settings[0] != settings[1]:
+    scaling = config.get("rope_scaling")
+    rope = config.get("rope_parameters") or scaling or {}
+    if scaling and scaling != rope:
         raise UserError("config.json: rope_parameters and rope_scaling disagree: keep one")
-    rope = settings[0] or settings[1] or {}
     require(isinstance(rope, dict), f"config.json: rope_parameters {rope!r} is no object")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "yarn"):
         raise UserError(f"rope type {rope_type}: only default RoPE and YaRN are supported")
-    # YaRN's parameters: a Hugging Face config's rope_parameters, or our config.json's yarn
-    yarn = {key: value for key, value in rope.items()
-            if key not in ("rope_type", "type")}
-    yarn = yarn if rope_type == "yarn" else config.get("yarn") or {}
+    # YaRN's parameters: our config.json's yarn, or a Hugging Face config's rope_parameters
+    yarn = config.get("yarn") or {}
+    if rope_type == "yarn":
+        yarn = {key: value for key, value in rope.items() if key not in ("rope_type", "type")}
     numbers = isinstance(yarn, dict) and all(
         type(v) in (int, float, bool) and abs(v) < LARGEST for v in yarn.values())
     require(numbers, f"config.json: YaRN parameters {yarn} are not all numbers below 2^40")
@@ -270,27 +270,10 @@ def hf_names(name: str, meta: torch.Tensor) -> list[str]:
     return [f"{owner}.{part}.weight" for owner in owners for part in parts]
 
 
-def snapshot_args(src: pathlib.Path) -> tuple[ModelArgs, dict]:
-    """The model of a Hugging Face snapshot, refused where it isn't one we convert, and our
-    config.json for it."""
-    require((src / "config.json").is_file(), f"{src}: no config.json; is it a Qwen3 snapshot?")
-    # Refused now if missing or broken, not when generating
-    read_tokenizer(src)
-    config = read_json(src / "config.json")
-    require("quantization_config" not in config, f"{src} is quantized: convert the bf16 snapshot")
-    require("quantization" not in config, f"{src}: already converted; convert its snapshot")
-    args = model_args(config)
-    # Likewise generation_config.json, if it isn't JSON or its eos ids aren't the model's
-    file = src / "generation_config.json"
-    eos_ids(read_json(file) if file.is_file() else {}, file, args.vocab_size)
-    eos = sorted(eos_ids(config, "config.json", args.vocab_size))
-    # gate_up_proj's rows [gate; up], as transformers 5's (older conversions: converted_config)
-    ours = dict(dataclasses.asdict(args), eos_token_id=eos, quantization=None, gate_up="halves")
-    return args, ours
-
-
-def joined(src: pathlib.Path, name: str, parts: list[str], files: dict, meta) -> torch.Tensor:
-    """Our tensor `name`, of meta's shape, from its Hugging Face parts."""
+def joined(src: pathlib.Path, name: str, files: dict, meta) -> torch.Tensor:
+    """Our tensor `name`, of meta's shape, from its Hugging Face parts (hf_names) in `files`, the
+    snapshot's tensors."""
+    parts = hf_names(name, meta)
     missing = [hf for hf in parts if hf not in files]
     require(not missing, f"{src}: the checkpoint lacks {', '.join(missing)}")
     tensors = {hf: read_tensor(files[hf], hf) for hf in parts}
@@ -317,24 +300,35 @@ def convert(src: str, out: str, quantization: str | None = None, shard_bytes: in
     quantize.py as read."""
     require(str(src).strip(), "--checkpoint-dir is empty: name a snapshot")
     src = pathlib.Path(src)
-    args, config = snapshot_args(src)
+    # The snapshot's model, refused where it isn't one we convert
+    require((src / "config.json").is_file(), f"{src}: no config.json; is it a Qwen3 snapshot?")
+    # Refused now if missing or broken, not when generating
+    read_tokenizer(src)
+    config = read_json(src / "config.json")
+    require("quantization_config" not in config, f"{src} is quantized: convert the bf16 snapshot")
+    require("quantization" not in config, f"{src}: already converted; convert its snapshot")
+    args = model_args(config)
+    # Likewise generation_config.json, if it isn't JSON or its eos ids aren't the model's
+    file = src / "generation_config.json"
+    eos_ids(read_json(file) if file.is_file() else {}, file, args.vocab_size)
+    eos = sorted(eos_ids(config, "config.json", args.vocab_size))
+    # Our config.json for it. gate_up_proj's rows [gate; up], as transformers 5's (older
+    # conversions: converted_config)
+    config = dict(dataclasses.asdict(args), eos_token_id=eos, quantization=None, gate_up="halves")
     require(quantization or group_size is None, "--group-size goes with --quantize int4")
     if quantization:
         quantize = optional("quantize", quantization)
         config = quantize.quantized_config(config, quantization, group_size)
     with torch.device("meta"):
-        model = Transformer(args)
-    expected = checkpoint_tensors(model)
-    # our tensor -> its Hugging Face parts
-    sources = {name: hf_names(name, expected[name]) for name in expected}
+        expected = checkpoint_tensors(Transformer(args))
     files = list_tensors(src, "*.safetensors")
-    placed = {hf for parts in sources.values() for hf in parts} | {"lm_head.weight"}
-    unknown = min(files.keys() - placed, default=None)
+    # Every Hugging Face tensor that makes one of ours
+    placed = {hf for name, meta in expected.items() for hf in hf_names(name, meta)}
+    unknown = min(files.keys() - placed - {"lm_head.weight"}, default=None)
     require(not unknown, f"{files.get(unknown)}: {unknown} is in no Qwen3")
 
     # Joined as they are written, one at a time
-    pairs = ((name, joined(src, name, parts, files, expected[name]))
-             for name, parts in sources.items())
+    pairs = ((name, joined(src, name, files, meta)) for name, meta in expected.items())
     count = len(expected)
     # A tensor at a time, as read
     if quantization:

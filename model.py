@@ -61,7 +61,7 @@ class ModelArgs:
         # transformers 5 writes the hub's num_experts as num_local_experts
         args.num_experts = config.get("num_local_experts", args.num_experts)
         # older configs: heads split the hidden size
-        if config.get("head_dim") is None:
+        if "head_dim" not in config:
             args.head_dim = args.hidden_size // args.num_attention_heads
         # RoPE: rope_parameters (transformers 5), else rope_theta and rope_scaling (older configs)
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
@@ -206,12 +206,11 @@ class MLP(nn.Module):
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        inner = args.intermediate_size
-        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * inner, bias=False)
-        self.down_proj = nn.Linear(inner, args.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        # (..., inner) each
+        # (..., intermediate_size) each
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -375,7 +374,7 @@ class Transformer(nn.Module):
         # (R, 1, T, kv_len), causal: it hides the unwritten and stale positions too
         mask = None if prompt else (attended <= positions[..., None])[:, None]
         cos, sin = self.rope_cos[positions][:, :, None], self.rope_sin[positions][:, :, None]
-        ctx = ForwardContext(positions=positions, cos=cos, sin=sin, mask=mask, kv_len=kv_len)
+        ctx = ForwardContext(positions, cos, sin, mask, kv_len)
         x = self.embed_tokens(tokens)
         for layer in self.layers:
             x = layer(x, ctx)
