@@ -208,8 +208,10 @@ def model_args(config: dict) -> ModelArgs:
 def eos_ids(config: dict, file: str, vocab: int) -> set[int]:
     """The end-of-sequence tokens of a config.json or generation_config.json: one id, or a list,
     each of the model's vocabulary of `vocab`."""
-    eos = config.get("eos_token_id", [])
+    eos = config.get("eos_token_id")
     ids = eos if isinstance(eos, list) else [eos]
+    # null, as no key: none, as transformers reads it
+    ids = [] if eos is None else ids
     if not all(type(i) is int and 0 <= i < vocab for i in ids):
         raise UserError(f"{file}: eos_token_id {eos!r} is not token ids in [0, {vocab})")
     return set(ids)
@@ -217,7 +219,8 @@ def eos_ids(config: dict, file: str, vocab: int) -> set[int]:
 
 def converted_config(path) -> dict:
     """The config.json of a directory that this converter wrote, refused if it isn't one."""
-    require(str(path).strip(), "an empty path: name a converted checkpoint")
+    named = isinstance(path, (str, os.PathLike)) and str(path).strip()
+    require(named, f"{path!r} is no path: name a converted checkpoint")
     config = pathlib.Path(path, "config.json")
     require(config.is_file(), f"{path}: no converted checkpoint; the converter makes one")
     config = read_json(config)
@@ -345,8 +348,8 @@ def write_checkpoint(out: str, tensors, count: int, config: dict, src: pathlib.P
     require(str(out).strip(), "--output is empty: name a new directory")
     # "." has no name to put beside it
     out = pathlib.Path(os.path.abspath(out))
-    # the source, ".", an old conversion, an empty directory...
-    require(not out.exists(), f"{out} exists: choose another --output (nothing is replaced)")
+    # the source, ".", an old conversion, an empty directory, a link (dangling too)...
+    require(not os.path.lexists(out), f"{out} exists: choose another --output (it stays)")
     # Hidden, beside it: a second conversion to `out` finds it and stops before any work
     tmp = out.with_name(f".converting-{out.name}")
     require(not tmp.exists(), f"{tmp} exists: another conversion to {out} is running, or "

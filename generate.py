@@ -214,6 +214,7 @@ class Generator:
         check_count("capacity", capacity)
         require(isinstance(sampling, SamplingParams), f"sampling {sampling!r}: a SamplingParams")
         device = model.norm.weight.device
+        require(type(compile) is type(cuda_graph) is bool, "compile, cuda_graph: True or False")
         require(not (compile and cuda_graph), "compile and cuda_graph: choose one")
         on_cuda = device.type == "cuda"
         require(on_cuda or not cuda_graph, "cuda_graph needs a CUDA device: leave out --cuda-graph")
@@ -448,6 +449,7 @@ class Tokenizer:
     chat template: chat_template.jinja, or tokenizer_config.json's chat_template."""
 
     def __init__(self, path: str, vocab_size: int):
+        check_count("vocab_size", vocab_size)
         self.tokenizer = read_tokenizer(path)
         self.vocab_size = vocab_size
         # A model pads its tokenizer's ids (Qwen3: 151,669 of 151,936), never by a thousand
@@ -501,7 +503,9 @@ class Tokenizer:
                 messages=messages, add_generation_prompt=True, enable_thinking=thinking)
         # A template's own error, of whatever kind (1 / 0, a range too large for the sandbox...)
         except Exception as e:
-            raise UserError(f"the checkpoint's chat template fails: {e}") from None
+            # A MemoryError says nothing: its name, then
+            reason = str(e) or type(e).__name__
+            raise UserError(f"the checkpoint's chat template fails: {reason}") from None
         require(text.strip(), "the chat template renders these messages as blank")
         return text
 
@@ -539,7 +543,9 @@ def load_model(path: str, device="cpu", dtype: torch.dtype | None = None,
             # "PATH is int8: loading it needs quantize.py" where it is missing
             quantize = optional("quantize", f"{path} is {config['quantization']}: loading it")
             quantize.swap_in(model, config)
-    expected = {name: t.shape for name, t in checkpoint_tensors(model).items()}
+    # Its floats in `dtype`, as the checkpoint's are cast below; quantized weights stay ints
+    model.to(dtype)
+    expected = {name: (t.shape, t.dtype) for name, t in checkpoint_tensors(model).items()}
     # name -> its file
     tensors = list_tensors(path, "model*.safetensors")
     state = {}
@@ -555,8 +561,8 @@ def load_model(path: str, device="cpu", dtype: torch.dtype | None = None,
                     tensor = tensor.to(dtype)
                 state[name] = tensor
                 show_progress(f"loading {path}", len(state), len(tensors))
-    found = {name: t.shape for name, t in state.items()}
-    # A name in one of them alone, or at another shape in each
+    found = {name: (t.shape, t.dtype) for name, t in state.items()}
+    # A name in one of them alone, or at another shape or dtype in each
     wrong = min((name for name, _ in expected.items() ^ found.items()), default=None)
     require(not wrong, f"{path}: weights do not match config.json ({wrong}); convert again")
     # The loaded tensors themselves, no copy; every one is checked above. A tied lm_head is not

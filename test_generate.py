@@ -1252,6 +1252,12 @@ def test_convert_into_the_current_directory_is_refused_in_one_line(snapshot, tmp
     assert f"{empty} exists: choose another --output" in message
     assert (sorted(p.name for p in tmp_path.iterdir()) == ["empty", "hf"]
             and not list(empty.iterdir()))
+    # A link, even one to nothing: it stays as it is
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "nowhere")
+    message = convert_error(["--checkpoint-dir", str(snapshot), "--output", str(link)], capsys)
+    assert message == f"error: {link} exists: choose another --output (it stays)"
+    assert link.is_symlink() and not (tmp_path / "nowhere").exists()
 
 
 @pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGHUP"])
@@ -1398,7 +1404,8 @@ def test_int8_checkpoint_with_a_bf16_lm_head_is_refused_in_one_line(tmp_path):
     q, scale = state["lm_head.weight"], state.pop("lm_head.weight_scale")
     state["lm_head.weight"] = q.float() * scale[:, None]
     save_file(state, shard)
-    with pytest.raises(UserError, match=r"do not match config.json \(lm_head.weight_scale\); "
+    # Named first: its float lm_head.weight where int8 belongs (lm_head.weight_scale is missing too)
+    with pytest.raises(UserError, match=r"do not match config.json \(lm_head.weight\); "
                                         r"convert again"):
         load(str(tmp_path / "int8"))
 
@@ -1697,6 +1704,8 @@ def test_sampling_settings_from_generation_config_are_checked_as_flags_are():
             convert.eos_ids({"eos_token_id": eos}, "generation_config.json", 100)
     assert convert.eos_ids({"eos_token_id": 7}, "", 8) == {7}
     assert convert.eos_ids({}, "", 8) == set()
+    assert convert.eos_ids({"eos_token_id": None}, "", 8) == set()  # unset, as transformers has it
+    assert convert.eos_ids({"eos_token_id": 0}, "", 8) == {0}
 
 
 def test_the_python_api_refuses_bad_arguments_naming_them(tiny):
@@ -1754,6 +1763,14 @@ def test_the_python_api_refuses_bad_arguments_naming_them(tiny):
             G.load(tiny, device=device)
     with pytest.raises(UserError, match="model 'model': not a Transformer"):
         G.Generator("model", batch=1, capacity=64, sampling=GREEDY)
+    for flags in (dict(compile="no"), dict(cuda_graph=1)):  # truthy, yet no flag
+        with pytest.raises(UserError, match="compile, cuda_graph: True or False"):
+            G.Generator(model, batch=1, capacity=64, sampling=GREEDY, **flags)
+    for path in (None, 5, ""):
+        with pytest.raises(UserError, match=re.escape(f"{path!r} is no path: name a converted")):
+            G.load(path)
+    with pytest.raises(UserError, match="vocab_size must be an int of at least 1, not '512'"):
+        G.Tokenizer(tiny, "512")
     tokenizer = G.Tokenizer(tiny, VOCAB)
     # Not a list of messages, none, or a role the template doesn't know (it would drop the message)
     for messages in (123, "hello", [["user", "hi"]], [], [{"role": "wizard", "content": "hi"}],
@@ -2261,7 +2278,7 @@ def test_cli_draft_checkpoint_gives_the_plain_text_and_says_what_was_accepted(ti
     one_line_error(cli(*flags, "--speculate-k", "2"), "--speculate-k needs --draft-checkpoint")
     two = cli(*flags, "--prompt", "hi", "--draft-checkpoint", tiny)
     one_line_error(two, "--draft-checkpoint takes one --prompt")
-    one_line_error(cli(*flags, "--draft-checkpoint", ""), "an empty path")
+    one_line_error(cli(*flags, "--draft-checkpoint", ""), "'' is no path")
     other = tmp_path / "other"
     shutil.copytree(tiny, other)
     saved = json.loads((other / "tokenizer.json").read_text())
@@ -2350,6 +2367,10 @@ def test_chat_template_from_the_checkpoint_first_refused_where_it_has_none(tiny,
         (own / "chat_template.jinja").write_text(failing)  # Python's errors, not Jinja's
         with pytest.raises(UserError, match="the checkpoint's chat template fails: "):
             G.Tokenizer(str(own), VOCAB).chat(user_says("hi"))
+    # An error of no words (no machine holds 2^62 bytes): its name
+    (own / "chat_template.jinja").write_text("{{ 'x' * 2 ** 62 }}")
+    with pytest.raises(UserError, match="chat template fails: MemoryError$"):
+        G.Tokenizer(str(own), VOCAB).chat(user_says("hi"))
     # Arguments of the wrong kind: ours to refuse, not the template's
     with pytest.raises(UserError, match=r"each a role \(system, user or assistant\) and a str"):
         G.Tokenizer(str(own), VOCAB).chat([{"role": "user", "content": 5}])
@@ -2512,7 +2533,7 @@ def test_the_cache_holds_a_buckets_length(tiny, monkeypatch, capsys):
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--stop-ids", "-5"], "--stop-ids: ids in [0, 512), please"),
     (["--stop-ids", str(10 ** 30)], "--stop-ids: ids in [0, 512), please"),
-    (["--checkpoint", ""], "an empty path: name a converted checkpoint"),
+    (["--checkpoint", ""], "'' is no path: name a converted checkpoint"),
 ])
 def test_cli_bad_input_one_line(tiny, args, message):
     argv = ["--device", "cpu", "--checkpoint", tiny, "--prompt", "hello world", *args]
@@ -2882,6 +2903,19 @@ def test_loading_refuses_a_tensor_in_two_files(tiny, tmp_path):
     name = sorted(tensors)[0]
     save_file({name: tensors[name]}, copy / "model-99999.safetensors")
     with pytest.raises(UserError, match=f"tensor {name} is in {shard} too"):
+        G.load(str(copy))
+
+
+def test_loading_refuses_a_weight_of_ints_where_floats_belong(tiny, tmp_path):
+    """A weight of the right shape stored as int32 (another tool's file): refused by name, where
+    it would fail inside load_state_dict; a quantized checkpoint's int weights load (int8 tests)."""
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny, copy)
+    shard = sorted(copy.glob("model*.safetensors"))[0]
+    tensors = load_file(shard)
+    name = sorted(tensors)[0]
+    save_file({**tensors, name: tensors[name].to(torch.int32)}, shard)
+    with pytest.raises(UserError, match=re.escape(f"weights do not match config.json ({name})")):
         G.load(str(copy))
 
 
