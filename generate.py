@@ -5,15 +5,14 @@
     python generate.py --compile --chat --no-think --prompt "Why is the sky blue?" --prompt "Hi!"
 """
 import argparse
-import dataclasses
-import functools
 import os
 import pathlib
 import re
 import sys
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
+from functools import partial
 
 try:
     import torch
@@ -63,8 +62,7 @@ class SamplingParams:
 
 def sampling_settings(values: dict) -> dict:
     """The SamplingParams fields that `values` sets, to other than None."""
-    names = [spec.name for spec in dataclasses.fields(SamplingParams)]
-    return {name: values[name] for name in names if values.get(name) is not None}
+    return {name: values[name] for name in vars(SamplingParams()) if values.get(name) is not None}
 
 
 def sample(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -88,11 +86,9 @@ def sample(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         # The mass of the candidates before each
         ahead = probs.cumsum(-1) - probs
         scores = scores.masked_fill(ahead >= params.top_p, float("-inf"))
-    noise = torch.rand_like(scores)
-    choice = (scores - torch.log(-torch.log(noise))).argmax(-1)
-    if not filtered:
-        return choice
-    return candidates.gather(-1, choice[:, None])[:, 0]
+    # Plus Gumbel noise, -log(-log(u)) of a uniform u
+    choice = (scores - torch.log(-torch.log(torch.rand_like(scores)))).argmax(-1)
+    return candidates.gather(-1, choice[:, None])[:, 0] if filtered else choice
 
 
 def top_candidates(scores: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,9 +98,8 @@ def top_candidates(scores: torch.Tensor, count: int) -> tuple[torch.Tensor, torc
     # As the floats: negatives flipped
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     vocab = scores.shape[-1]
-    ids = torch.arange(vocab, device=scores.device)
     # Unique: the lower id first among equal scores
-    keys = ordered * vocab + (vocab - 1 - ids)
+    keys = ordered * vocab + (vocab - 1 - torch.arange(vocab, device=scores.device))
     top = keys.topk(count).indices
     return scores.gather(-1, top), top
 
@@ -132,9 +127,8 @@ def bucket(length: int, capacity: int) -> int:
     graphed prefill pads its prompts to it. Below 2,048 tokens doubling keeps the graphs few;
     above, a step of 256 keeps the padding's work small (see bench/RESULTS.md), at a graph per 256
     positions, each captured when first used."""
-    # The next, at least 64
-    power_of_two = max(64, 1 << (length - 1).bit_length())
-    step = 256 if length > 2048 else power_of_two
+    # Above 2,048, the next multiple of 256; else the next power of two, at least 64
+    step = 256 if length > 2048 else max(64, 1 << (length - 1).bit_length())
     return min(capacity, (length + step - 1) // step * step)
 
 
@@ -222,8 +216,8 @@ class Generator:
             use_kernels = qwen3_triton is not None and on_cuda
         require(qwen3_triton or not use_kernels, "use_kernels needs qwen3_triton.py and Triton")
         # Triton's interpreter runs the kernels on the CPU too (the tests use it)
-        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-        require(on_cuda or interpreted or not use_kernels, "use_kernels needs a CUDA device")
+        require(on_cuda or os.environ.get("TRITON_INTERPRET") == "1" or not use_kernels,
+                "use_kernels needs a CUDA device")
         # On the CPU inductor compiles C++: a missing compiler is said now, not as its traceback
         if compile and not on_cuda:
             from torch._inductor import cpp_builder, exc
@@ -242,29 +236,25 @@ class Generator:
         # (model.expert_products): the CPU, Hopper and Blackwell. On CUDA before Hopper it loops
         # over the experts reading where each one's rows end on the host, which a CUDA graph can't
         # hold.
-        bf16 = model.norm.weight.dtype == torch.bfloat16
-        hopper = on_cuda and torch.cuda.get_device_capability(device)[0] in (9, 10)
+        has_kernels = not on_cuda or torch.cuda.get_device_capability(device)[0] in (9, 10)
         for module in model.modules():
             if isinstance(module, Experts):
-                module.grouped_mm = bf16 and (hopper or not on_cuda)
-        self.model = model
-        self.batch = batch
-        self.capacity = capacity
+                module.grouped_mm = has_kernels and model.norm.weight.dtype == torch.bfloat16
+        self.model, self.batch, self.capacity = model, batch, capacity
         self.state = DecodeState(batch, capacity, device)
         # The model, or where it serves, the fast path's forward of a step (of at most STEP_TOKENS
         # tokens): tokens (R, T) at positions (R, T), the attended length -> logits (R, T, V)
         self.forward_step = model
         if use_kernels and batch <= qwen3_triton.STEP_TOKENS:
-            self.forward_step = functools.partial(qwen3_triton.forward_step, model)
+            self.forward_step = partial(qwen3_triton.forward_step, model)
         # Next ids (R,) from logits (R, V): the fast path's kernel where it takes the filter, a
         # top-k of at most MAX_TOP_K (the same tokens from the same noise, to the rounding of the
         # top-p cut and of the noise's logarithms), else sample
-        # Greedy: no filter
+        # Greedy: no filter; a top_k of the whole vocabulary: none either
         top_k = sampling.top_k if sampling.temperature > 0 else 0
-        filtered = 0 < top_k < model.args.vocab_size
-        self.draw = functools.partial(sample, params=sampling)
-        if use_kernels and filtered and top_k <= qwen3_triton.MAX_TOP_K:
-            self.draw = functools.partial(qwen3_triton.sample_top_k, **dataclasses.asdict(sampling))
+        self.draw = partial(sample, params=sampling)
+        if use_kernels and 0 < top_k <= qwen3_triton.MAX_TOP_K and top_k < model.args.vocab_size:
+            self.draw = partial(qwen3_triton.sample_top_k, **asdict(sampling))
         # Compiled: the decode step under torch.compile. Graphed: both steps as our CUDA graphs,
         # the prompts padded to a few lengths, a graph each.
         self.compiled, self.graphed = compile, cuda_graph
@@ -286,8 +276,8 @@ class Generator:
             # Generator's capture too, ending that in a CUDA error. Uncycled, a Generator dropped
             # is freed at once, its graphs' memory with it.
             proxy = weakref.proxy(self)
-            self.prefill_step = CUDAGraphs(functools.partial(type(self).prefill_prompts, proxy))
-            self.decode_step = CUDAGraphs(functools.partial(type(self).decode_one_token, proxy))
+            self.prefill_step = CUDAGraphs(partial(type(self).prefill_prompts, proxy))
+            self.decode_step = CUDAGraphs(partial(type(self).decode_one_token, proxy))
         if compile:
             # torch._dynamo is imported here alone: it takes seconds
             for tensor in vars(self.state).values():
@@ -454,9 +444,8 @@ class Tokenizer:
         self.vocab_size = vocab_size
         # A model pads its tokenizer's ids (Qwen3: 151,669 of 151,936), never by a thousand
         size = self.tokenizer.get_vocab_size()
-        its_own = size <= vocab_size < size + 1000
-        require(its_own, f"{path}: tokenizer.json of {size} tokens for a model of {vocab_size}: "
-                "another model's")
+        require(size <= vocab_size < size + 1000, f"{path}: tokenizer.json of {size} tokens for a "
+                f"model of {vocab_size}: another model's")
         config_file = pathlib.Path(path, "tokenizer_config.json")
         config = read_json(config_file) if config_file.is_file() else {}
         self.chat_template = config.get("chat_template")
@@ -497,7 +486,7 @@ class Tokenizer:
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         # Hugging Face templates refuse what they can't render with raise_exception(message)
-        env.globals["raise_exception"] = functools.partial(require, False)
+        env.globals["raise_exception"] = partial(require, False)
         try:
             text = env.from_string(self.chat_template).render(
                 messages=messages, add_generation_prompt=True, enable_thinking=thinking)
@@ -531,8 +520,8 @@ def load_model(path: str, device="cpu", dtype: torch.dtype | None = None,
     device = device_of(device)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    floats = (torch.bfloat16, torch.float16, torch.float32)
-    require(dtype in floats, f"dtype {dtype!r}: use torch.bfloat16, torch.float16 or torch.float32")
+    require(dtype in (torch.bfloat16, torch.float16, torch.float32),
+            f"dtype {dtype!r}: use torch.bfloat16, torch.float16 or torch.float32")
     config = converted_config(path)
     args = model_args(config)
     if split is not None:
@@ -609,8 +598,7 @@ class TextStream:
         """Prints what is left of generate's `rows`: the rest of one row's text, or every row after
         its prompt."""
         if len(rows) == 1:
-            self.show(self.decode(rows[0]))
-            print()
+            self.show(self.decode(rows[0]) + "\n")
         else:
             for prompt, row in zip(prompts, rows, strict=True):
                 print(f"--- {prompt}\n{self.decode(row)}")
@@ -634,40 +622,41 @@ def parse_args(argv=None, description: str = __doc__, prompts: bool = True) -> a
     """The command line, checked. prompts=False: chat.py's, whose turns are typed: no --prompt
     or --chat."""
     parser = ArgumentParser(description=description.split("\n")[0])
-    parser.add_argument("--checkpoint", default="checkpoints/Qwen/Qwen3-0.6B/converted",
-                        help="a directory that convert_hf_checkpoint.py wrote")
-    default_device = "cuda" if torch.cuda.is_available() else "cpu"
-    parser.add_argument("--device", default=default_device, help="cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
-                        help="default: bf16 on CUDA, fp32 on the CPU")
+    flag = parser.add_argument
+    flag("--checkpoint", default="checkpoints/Qwen/Qwen3-0.6B/converted",
+         help="a directory that convert_hf_checkpoint.py wrote")
+    flag("--device", help="cpu, cuda or cuda:N",
+         default="cuda" if torch.cuda.is_available() else "cpu")
+    flag("--dtype", choices=["bfloat16", "float16", "float32"],
+         help="default: bf16 on CUDA, fp32 on the CPU")
     if prompts:
-        parser.add_argument("--prompt", action="append", help="repeat it for a batch, a row each")
-        parser.add_argument("--chat", action="store_true", help="wrap each in the chat template")
-        parser.add_argument("--draft-checkpoint", help="speculative decoding's draft checkpoint")
-        parser.add_argument("--speculate-k", type=positive, help="tokens drafted a round (4)")
-    parser.add_argument("--system", help="the system message (generate.py: with --chat)")
-    parser.add_argument("--no-think", action="store_true",
-                        help="answer without a thinking block (generate.py: with --chat)")
+        flag("--prompt", action="append", help="repeat it for a batch, a row each")
+        flag("--chat", action="store_true", help="wrap each in the chat template")
+        flag("--draft-checkpoint", help="speculative decoding's draft checkpoint")
+        flag("--speculate-k", type=positive, help="tokens drafted a round (4)")
+    flag("--system", help="the system message (generate.py: with --chat)")
+    flag("--no-think", action="store_true",
+         help="answer without a thinking block (generate.py: with --chat)")
     # Sampling: the checkpoint's generation_config.json by default, else greedy
-    parser.add_argument("--temperature", type=float, help="0 is greedy")
-    parser.add_argument("--top-k", type=int, help="0 keeps every token")
-    parser.add_argument("--top-p", type=float, help="1 keeps every token")
-    parser.add_argument("--seed", type=int, help="one seed, one text (in fp32, in every mode)")
-    parser.add_argument("--max-new-tokens", type=positive, default=200)
-    parser.add_argument("--stop-ids", type=int, nargs="+", default=[], help="besides eos")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the decode step")
-    parser.add_argument("--cuda-graph", action="store_true",
-                        help="replay the prefill and decode steps as our CUDA graphs")
-    parser.add_argument("--check-every", type=positive, default=16, help="steps a stop check")
-    parser.add_argument("--cache-len", type=positive,
-                        help="KV cache positions (default: prompt + max new tokens; chat: 8,192)")
+    flag("--temperature", type=float, help="0 is greedy")
+    flag("--top-k", type=int, help="0 keeps every token")
+    flag("--top-p", type=float, help="1 keeps every token")
+    flag("--seed", type=int, help="one seed, one text (in fp32, in every mode)")
+    flag("--max-new-tokens", type=positive, default=200)
+    flag("--stop-ids", type=int, nargs="+", default=[], help="besides eos")
+    flag("--compile", action="store_true", help="torch.compile the decode step")
+    flag("--cuda-graph", action="store_true",
+         help="replay the prefill and decode steps as our CUDA graphs")
+    flag("--check-every", type=positive, default=16, help="steps a stop check")
+    flag("--cache-len", type=positive,
+         help="KV cache positions (default: prompt + max new tokens; chat: 8,192)")
     args = parser.parse_args(argv)
-    args.chat = args.chat if prompts else True
+    args.chat = not prompts or args.chat
     # The flags that replace the checkpoint's sampling defaults, checked now, before loading
     args.sampling = sampling_settings(vars(args))
     SamplingParams(**args.sampling)
-    in_range = args.seed is None or 0 <= args.seed < 1 << 64
-    require(in_range, f"--seed {args.seed}: must be in [0, 2^64)")
+    require(args.seed is None or 0 <= args.seed < 2**64,
+            f"--seed {args.seed}: must be in [0, 2^64)")
     args.device = device_of(args.device)
     args.dtype = getattr(torch, args.dtype) if args.dtype else None
     require(args.chat or not (args.system or args.no_think), "--system, --no-think go with --chat")
@@ -691,7 +680,7 @@ def load_for(args: argparse.Namespace, split=None) -> tuple[Checkpoint, Sampling
     if args.seed is not None:
         torch.manual_seed(args.seed)
     checkpoint = load(args.checkpoint, split.device if split else args.device, args.dtype, split)
-    sampling = dataclasses.replace(checkpoint.sampling, **args.sampling)
+    sampling = replace(checkpoint.sampling, **args.sampling)
     vocab = checkpoint.model.args.vocab_size
     require(token_ids(args.stop_ids, vocab), f"--stop-ids: ids in [0, {vocab}), please")
     return checkpoint, sampling, checkpoint.stop_ids | set(args.stop_ids)
