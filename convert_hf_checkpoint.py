@@ -104,7 +104,7 @@ def list_tensors(directory, pattern: str) -> dict[str, str]:
         require(os.access(file, os.R_OK), f"{file}: not readable (a broken link, or permissions)")
         try:
             with safe_open(file, "pt") as opened:
-                names = list(opened.keys())
+                names = opened.keys()
         except Exception as e:
             # safetensors' own error type: a truncated or corrupt file
             raise UserError(f"{file}: not a readable safetensors file ({e})") from None
@@ -267,7 +267,7 @@ def hf_names(name: str, meta: torch.Tensor) -> list[str]:
     # "layers.0.self_attn.qkv_proj.weight" -> "model.layers.0.self_attn", "qkv_proj"; experts:
     # "layers.0.mlp.experts.down_proj" -> "model.layers.0.mlp.experts", "down_proj"
     module, projection = f"model.{name}".removesuffix(".weight").rsplit(".", 1)
-    experts = meta.shape[0] if meta.dim() == 3 else 0
+    experts = len(meta) if meta.dim() == 3 else 0
     owners = [f"{module}.{expert}" for expert in range(experts)] or [module]
     parts = FUSED.get(projection, [projection])
     return [f"{owner}.{part}.weight" for owner in owners for part in parts]
@@ -393,17 +393,14 @@ def write_checkpoint(out: str, tensors, count: int, config: dict, src: pathlib.P
         raise
 
 
-# A user's errors: a bad input, a file, a full disk. Anything else is a bug: a traceback.
-USER_ERRORS = (UserError, OSError, SafetensorError)
-
-
 def run_command(command, argv, interrupted: str) -> None:
     """command(argv), as every command of ours runs: SIGTERM and SIGHUP (`timeout`, a closed
     terminal, a job scheduler) stop it as Ctrl-C does, through the same clean-up, and exit 130
-    saying `interrupted` (on a terminal, after ending the line that the interrupt cut short). One
-    of the USER_ERRORS exits 1 in one line; a stdout closed early (`| head`) quietly, as Unix tools
-    do. Once the command is done, these signals and Ctrl-C are ignored: the process is ending (a
-    caller in Python that goes on sets its own handlers again)."""
+    saying `interrupted` (on a terminal, after ending the line that the interrupt cut short). A
+    user's error (a UserError, OSError or SafetensorError) exits 1 in one line; a stdout closed
+    early (`| head`) quietly, as Unix tools do. Once the command is done, these signals and Ctrl-C
+    are ignored: the process is ending (a caller in Python that goes on sets its own handlers
+    again)."""
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.default_int_handler)
     try:
@@ -416,7 +413,8 @@ def run_command(command, argv, interrupted: str) -> None:
         newline = "\n" if sys.stderr.isatty() else ""
         print(f"{newline}{interrupted}", file=sys.stderr)
         sys.exit(130)
-    except USER_ERRORS as error:
+    # A user's errors: a bad input, a file, a full disk. Anything else is a bug: a traceback.
+    except (UserError, OSError, SafetensorError) as error:
         # Nothing more to stdout: a full or closed one fails again at exit's flush. Open until the
         # exit.
         sys.stdout = open(os.devnull, "w")

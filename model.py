@@ -56,8 +56,7 @@ class ModelArgs:
         values first."""
         # A null is a value not set, as transformers reads it: the default
         config = {key: value for key, value in config.items() if value is not None}
-        names = {spec.name for spec in fields(cls)}
-        args = cls(**{key: value for key, value in config.items() if key in names})
+        args = cls(**{spec.name: config[spec.name] for spec in fields(cls) if spec.name in config})
         # transformers 5 writes the hub's num_experts as num_local_experts
         args.num_experts = config.get("num_local_experts", args.num_experts)
         # older configs: heads split the hidden size
@@ -69,11 +68,10 @@ class ModelArgs:
         if rope.get("rope_type", rope.get("type")) == "yarn":
             named = ("rope_type", "type", "rope_theta")
             args.yarn = {key: value for key, value in rope.items() if key not in named}
-        # YaRN stretches the original context by its factor
-        if args.yarn:
-            original = args.yarn.get("original_max_position_embeddings", 0)
-            extended = int(original * args.yarn.get("factor", 1.0))
-            args.max_position_embeddings = max(args.max_position_embeddings, extended)
+        # YaRN stretches the original context by its factor; without YaRN, `original` is 0
+        original = args.yarn.get("original_max_position_embeddings", 0)
+        extended = int(original * args.yarn.get("factor", 1.0))
+        args.max_position_embeddings = max(args.max_position_embeddings, extended)
         return args
 
     def is_sparse(self, layer: int) -> bool:
@@ -97,7 +95,8 @@ def rope_frequencies(args: ModelArgs) -> tuple[Tensor, float]:
     factor = args.yarn.get("factor", 1.0)
     scale = args.yarn.get("attention_factor")
     if scale is None:
-        scale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+        # 1 for a factor of 1 or less
+        scale = 0.1 * math.log(max(factor, 1)) + 1.0
     context = args.yarn.get("original_max_position_embeddings", args.max_position_embeddings)
 
     # The dimension that turns `turns` times over the context
@@ -152,7 +151,7 @@ class StaticKVCache(nn.Module):
     def update(self, positions: Tensor, keys: Tensor, values: Tensor, kv_len: int):
         """Writes keys, values (R, T, kv_heads, head_dim) into rows 0 ... R - 1 at their positions
         (R, T); returns those rows' keys and values at positions [0, kv_len)."""
-        count = positions.shape[0]
+        count = len(positions)
         rows = torch.arange(count, device=positions.device)[:, None]
         # (R, 1) and (R, T) index the row and position dims: their (R, T) comes first, heads after
         self.k[rows, :, positions] = keys
@@ -344,8 +343,8 @@ class Transformer(nn.Module):
         # In the model's dtype, as transformers casts them before rotating
         self.register_buffer("rope_cos", cos.to(device, dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(device, dtype), persistent=False)
-        key_positions = torch.arange(capacity, device=device)
-        self.register_buffer("key_positions", key_positions, persistent=False)
+        self.register_buffer("key_positions", torch.arange(capacity, device=device),
+                             persistent=False)
 
     def forward(self, tokens: Tensor, positions: Tensor, kv_len: int | None = None,
                 logits_at: Tensor | None = None) -> Tensor:
