@@ -11,7 +11,7 @@ import re
 import sys
 import time
 import weakref
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from functools import partial
 
 try:
@@ -62,7 +62,8 @@ class SamplingParams:
 
 def sampling_settings(values: dict) -> dict:
     """The SamplingParams fields that `values` sets, to other than None."""
-    return {name: values[name] for name in vars(SamplingParams()) if values.get(name) is not None}
+    names = [spec.name for spec in fields(SamplingParams)]
+    return {name: values[name] for name in names if values.get(name) is not None}
 
 
 def sample(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
