@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 
 import generate
-from convert_hf_checkpoint import UserError, optional, require
+from common import UserError, optional, require
 
 # The cache's positions without --cache-len, within the model's own
 CACHE_LEN = 8192

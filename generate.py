@@ -18,10 +18,9 @@ try:
     import torch
     from safetensors import safe_open
 
-    from convert_hf_checkpoint import (ArgumentParser, UserError, checkpoint_tensors,
-                                       converted_config, eos_ids, list_tensors, model_args,
-                                       optional, positive, read_json, read_tokenizer, require,
-                                       run_command, show_progress)
+    from common import (ArgumentParser, UserError, checkpoint_tensors, converted_config, eos_ids,
+                        list_tensors, model_args, optional, positive, read_json, read_tokenizer,
+                        require, run_command, show_progress)
     from model import Experts, Transformer
     # Optional files: quantized checkpoints, the Triton fast path (without it, or Triton,
     # PyTorch's ops run everywhere), tensor parallelism under torchrun

@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-import convert_hf_checkpoint as convert
+import common
 from model import Experts, ModelArgs, Transformer
 
 MODES = ["int8", "int4"]
@@ -151,13 +151,13 @@ def group_size_of(config: dict) -> int | None:
     in one line: an unknown quantization, or a group size that is no power of two of at least 8
     (the fast path reads int4 weights 8 to a word, and its blocks hold whole groups)."""
     mode = config["quantization"]
-    convert.require(mode in MODES, f"config.json: unknown quantization {mode!r}")
+    common.require(mode in MODES, f"config.json: unknown quantization {mode!r}")
     if mode == "int8":
         return None
     size = config.get("group_size")
-    convert.require(size is not None, "config.json: int4 without its group_size: quantize the "
+    common.require(size is not None, "config.json: int4 without its group_size: quantize the "
                     "bf16 checkpoint again")
-    convert.require(is_group_size(size), f"config.json: int4's group_size {size!r} is no power of "
+    common.require(is_group_size(size), f"config.json: int4's group_size {size!r} is no power of "
                     "two of at least 8: quantize the bf16 checkpoint again")
     return size
 
@@ -178,7 +178,7 @@ def swap_in(model: Transformer, config: dict) -> None:
     def check(name: str, columns: int) -> None:
         """Refuses the weight `name` unless its input columns are whole groups."""
         if group_size and columns % group_size:
-            raise convert.UserError(f"{name}: its {columns} input columns are no multiple of the "
+            raise common.UserError(f"{name}: its {columns} input columns are no multiple of the "
                                     f"group size {group_size} (--group-size sets it)")
     for path, parent in list(model.named_modules()):
         for name, child in parent.named_children():
@@ -200,11 +200,11 @@ def quantized_config(config: dict, mode: str, group_size: int | None = None) -> 
     """The config.json of a bf16 checkpoint's `config`, quantized as `mode`: int4 in groups of
     `group_size` columns (None: GROUP_SIZE). A group size that can't be one is refused."""
     if mode == "int8":
-        convert.require(group_size is None, "--group-size is int4's: int8 scales whole rows")
+        common.require(group_size is None, "--group-size is int4's: int8 scales whole rows")
         return dict(config, quantization=mode)
     size = GROUP_SIZE if group_size is None else group_size
     fits = is_group_size(size)
-    convert.require(fits, f"--group-size {size}: int4 needs a power of two, at least 8")
+    common.require(fits, f"--group-size {size}: int4 needs a power of two, at least 8")
     return dict(config, quantization=mode, group_size=size)
 
 
@@ -213,9 +213,9 @@ def quantizing(config: dict, tensors) -> tuple:
     (a quantized_config) says: the pairs of the quantized checkpoint, one at a time, and their
     count."""
     with torch.device("meta"):
-        model = Transformer(convert.model_args(config))
+        model = Transformer(common.model_args(config))
         swap_in(model, config)
-    expected = convert.checkpoint_tensors(model)
+    expected = common.checkpoint_tensors(model)
     group_size = group_size_of(config)
 
     def pairs():
@@ -228,11 +228,11 @@ def quantizing(config: dict, tensors) -> tuple:
 
 
 def main(argv=None):
-    convert.run_command(quantize_command, argv, "interrupted: nothing was written")
+    common.run_command(quantize_command, argv, "interrupted: nothing was written")
 
 
 def quantize_command(argv) -> None:
-    parser = convert.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = common.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True,
                         help="a directory that convert_hf_checkpoint.py wrote")
     parser.add_argument("--mode", choices=MODES, required=True)
@@ -249,20 +249,23 @@ def quantize_command(argv) -> None:
 
 def quantize_checkpoint(path: str, out: str, mode: str, group_size: int | None = None) -> None:
     """A converted bf16 checkpoint `path`, quantized as `mode` into `out`: a tensor at a time."""
-    config = convert.converted_config(path)
+    config = common.converted_config(path)
     # null (or any false value): not quantized, as generate.py reads it
     if config.get("quantization"):
-        raise convert.UserError(f"{path} is already {config['quantization']}: quantize its "
+        raise common.UserError(f"{path} is already {config['quantization']}: quantize its "
                                 "bf16 conversion")
     with torch.device("meta"):
-        model = Transformer(convert.model_args(config))
-    files = convert.list_tensors(path, "model*.safetensors")
-    if files.keys() != convert.checkpoint_tensors(model).keys():
-        raise convert.UserError(f"{path}: weights do not match config.json; convert again")
+        model = Transformer(common.model_args(config))
+    files = common.list_tensors(path, "model*.safetensors")
+    if files.keys() != common.checkpoint_tensors(model).keys():
+        raise common.UserError(f"{path}: weights do not match config.json; convert again")
     config = quantized_config(config, mode, group_size)
-    tensors = ((name, convert.read_tensor(file, name)) for name, file in files.items())
+    tensors = ((name, common.read_tensor(file, name)) for name, file in files.items())
     pairs, count = quantizing(config, tensors)
-    convert.write_checkpoint(out, pairs, count, config, pathlib.Path(path))
+    # The converter's writer: imported here, where this file's own command writes (the converter
+    # imports this file for its --quantize)
+    from convert_hf_checkpoint import write_checkpoint
+    write_checkpoint(out, pairs, count, config, pathlib.Path(path))
 
 
 if __name__ == "__main__":

@@ -25,12 +25,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+import common
 import convert_hf_checkpoint as convert
 import generate as G
 import model as M
 import quantize as Q
 import speculative as S
-from convert_hf_checkpoint import UserError
+from common import UserError
 from model import ModelArgs
 from quantize import quantize_int8
 
@@ -450,7 +451,8 @@ def with_patch(patch, script, *args, stdin=None):
     `patch`: how the tests press Ctrl-C at a chosen moment."""
     code = "\n".join(["import sys", f"sys.path.insert(0, {HERE!r})",
                       f"sys.argv = [{script!r}, *{list(args)!r}]",
-                      f"import generate, convert_hf_checkpoint, {script.removesuffix('.py')}",
+                      "import common, generate, convert_hf_checkpoint",
+                      f"import {script.removesuffix('.py')}",
                       textwrap.dedent(patch),
                       f"{script.removesuffix('.py')}.main()"])
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, input=stdin,
@@ -755,43 +757,43 @@ def test_parity_with_transformers_bf16(tmp_path):
 
 def test_config_variants():
     """config.json as the hub and transformers spell it, read by ModelArgs.from_config after the
-    converter's checks (convert.model_args), which refuse what describes no model in one line."""
+    converter's checks (common.model_args), which refuse what describes no model in one line."""
     base = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 1024, "num_attention_heads": 16,
             "vocab_size": 1000, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
             "head_dim": 128,
             "num_key_value_heads": 8, "intermediate_size": 3072, "num_hidden_layers": 28}
-    assert convert.model_args({**base, "rope_theta": 5e5}).rope_theta == 5e5
+    assert common.model_args({**base, "rope_theta": 5e5}).rope_theta == 5e5
     new_style = {**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
-    assert convert.model_args(new_style).rope_theta == 1e6
-    assert convert.model_args({**base, "head_dim": None}).head_dim == 64
+    assert common.model_args(new_style).rope_theta == 1e6
+    assert common.model_args({**base, "head_dim": None}).head_dim == 64
     with pytest.raises(UserError, match="Qwen2"):
-        convert.model_args({**base, "architectures": ["Qwen2ForCausalLM"]})
+        common.model_args({**base, "architectures": ["Qwen2ForCausalLM"]})
     # a Qwen2 config with a Qwen3 architecture entry
     with pytest.raises(UserError, match="model_type qwen2"):
-        convert.model_args({**base, "model_type": "qwen2"})
+        common.model_args({**base, "model_type": "qwen2"})
     # Qwen3's model cards: YaRN to 131,072 positions
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
-    args = convert.model_args({**base, "rope_scaling": yarn, "max_position_embeddings": 40960})
+    args = common.model_args({**base, "rope_scaling": yarn, "max_position_embeddings": 40960})
     assert args.yarn == {"factor": 4.0, "original_max_position_embeddings": 32768}
     assert (args.max_position_embeddings == 131072
-            and convert.model_args(vars(args)).yarn == args.yarn)
+            and common.model_args(vars(args)).yarn == args.yarn)
     with pytest.raises(UserError, match="rope type dynamic: only default RoPE and YaRN"):
-        convert.model_args({**base, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}})
+        common.model_args({**base, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}})
     with pytest.raises(UserError, match=r"YaRN parameters .* are not all numbers below 2\^40"):
-        convert.model_args({**base, "rope_scaling": {**yarn, "factor": "4"}})
+        common.model_args({**base, "rope_scaling": {**yarn, "factor": "4"}})
     with pytest.raises(UserError, match="sliding-window attention is unsupported"):
-        convert.model_args({**base, "use_sliding_window": True})
+        common.model_args({**base, "use_sliding_window": True})
     no_window = {**base, "use_sliding_window": False, "sliding_window": 4096}
-    assert convert.model_args(no_window).head_dim == 128
+    assert common.model_args(no_window).head_dim == 128
     moe = {**base, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}
     # transformers' name
-    assert convert.model_args({**moe, "num_local_experts": 16}).num_experts == 16
-    assert convert.model_args({**moe, "num_experts": 64}).num_experts == 64  # the hub's
-    assert convert.eos_ids({**base, "eos_token_id": 7}, "config.json", 8) == {7}
+    assert common.model_args({**moe, "num_local_experts": 16}).num_experts == 16
+    assert common.model_args({**moe, "num_experts": 64}).num_experts == 64  # the hub's
+    assert common.eos_ids({**base, "eos_token_id": 7}, "config.json", 8) == {7}
     for bad in [{"num_hidden_layers": "two"}, {"hidden_size": -1}, {"tie_word_embeddings": "yes"},
                 {"rope_theta": "big"}, {"mlp_only_layers": 3.5}, {"rope_parameters": [1]}]:
         with pytest.raises(UserError, match="config.json: "):
-            convert.model_args({**base, **bad})
+            common.model_args({**base, **bad})
     refused = [({"rope_theta": 0}, "rope_theta is 0; it must be above 0"),
                ({"rms_norm_eps": 0.0}, "rms_norm_eps is 0.0; it must be above 0"),
                ({"rms_norm_eps": -1e-6}, "rms_norm_eps is -1e-06"),
@@ -799,11 +801,11 @@ def test_config_variants():
                ({"rope_parameters": {"rope_theta": 0}}, "rope_theta is 0")]
     for bad, message in refused:
         with pytest.raises(UserError, match=re.escape(f"config.json: {message}")):
-            convert.model_args({**base, **bad})
+            common.model_args({**base, **bad})
     for name in ("rms_norm_eps", "max_position_embeddings", "vocab_size", "hidden_size"):
         config = {key: value for key, value in base.items() if key != name}
         with pytest.raises(UserError, match=f"config.json: {name} is missing"):
-            convert.model_args(config)
+            common.model_args(config)
 
 
 def test_model_py_alone_runs_the_pytorch_path(tiny, tmp_path):
@@ -822,7 +824,7 @@ def test_model_py_alone_runs_the_pytorch_path(tiny, tmp_path):
         m.setup_cache(1, 64)
         with torch.no_grad():
             logits = m(torch.tensor([[1, 2, 3]]), torch.tensor([[0, 1, 2]]))
-        ours = {{"qwen3_triton", "generate", "convert_hf_checkpoint", "quantize"}}
+        ours = {{"qwen3_triton", "generate", "convert_hf_checkpoint", "common", "quantize"}}
         assert not ours & set(sys.modules)
         torch.save(logits, {str(tmp_path / "logits.pt")!r})""")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
@@ -837,7 +839,7 @@ def test_the_card_files_work_without_the_fast_path(tmp_path):
     on its path: they convert and generate; int8 is refused in one line, nothing written, and no
     optional file is imported. The commands run in that one process, each through its main(), as
     a process each would import torch four times for the same point."""
-    for name in ("model.py", "generate.py", "convert_hf_checkpoint.py"):
+    for name in ("model.py", "common.py", "generate.py", "convert_hf_checkpoint.py"):
         shutil.copy(os.path.join(HERE, name), tmp_path)
     hf_checkpoint(str(tmp_path / "hf"))
     commands = textwrap.dedent("""
@@ -887,16 +889,16 @@ def test_an_optional_file_there_but_broken_is_an_error(tmp_path, monkeypatch):
     """Only a missing file, or the missing Triton it needs, reads as "not there": one that is there
     and fails to import raises, never a silently slower path."""
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert convert.optional("no_such_optional_file") is None
+    assert common.optional("no_such_optional_file") is None
     (tmp_path / "needs_triton.py").write_text(
         "raise ModuleNotFoundError(\"No module named 'triton'\", name='triton')\n")
-    assert convert.optional("needs_triton") is None
+    assert common.optional("needs_triton") is None
     (tmp_path / "broken_name.py").write_text("from model import NoSuchName\n")
     with pytest.raises(ImportError, match="NoSuchName"):
-        convert.optional("broken_name")
+        common.optional("broken_name")
     (tmp_path / "broken_package.py").write_text("import no_such_package_of_ours\n")
     with pytest.raises(ModuleNotFoundError, match="no_such_package_of_ours"):
-        convert.optional("broken_package")
+        common.optional("broken_package")
 
 
 def test_a_new_model_has_finite_weights():
@@ -1306,7 +1308,7 @@ def test_convert_names_shards_as_the_hub_does(snapshot, tmp_path):
 def test_an_interrupt_ends_the_line_it_cut_short_on_a_terminal():
     """Ctrl-C during a progress line: on a terminal the note starts a line of its own."""
     code = textwrap.dedent(f"""
-        import sys; sys.path.insert(0, {HERE!r}); import convert_hf_checkpoint as c
+        import sys; sys.path.insert(0, {HERE!r}); import common as c
         def command(argv):
             c.show_progress('writing out', 1, 4)
             raise KeyboardInterrupt
@@ -1701,11 +1703,11 @@ def test_sampling_settings_from_generation_config_are_checked_as_flags_are():
             G.SamplingParams.from_generation_config({**config, **bad})
     for eos in ([1, "2"], "<|im_end|>", [True], -1, [1.5]):
         with pytest.raises(UserError, match="generation_config.json: eos_token_id .* is not token"):
-            convert.eos_ids({"eos_token_id": eos}, "generation_config.json", 100)
-    assert convert.eos_ids({"eos_token_id": 7}, "", 8) == {7}
-    assert convert.eos_ids({}, "", 8) == set()
-    assert convert.eos_ids({"eos_token_id": None}, "", 8) == set()  # unset, as transformers has it
-    assert convert.eos_ids({"eos_token_id": 0}, "", 8) == {0}
+            common.eos_ids({"eos_token_id": eos}, "generation_config.json", 100)
+    assert common.eos_ids({"eos_token_id": 7}, "", 8) == {7}
+    assert common.eos_ids({}, "", 8) == set()
+    assert common.eos_ids({"eos_token_id": None}, "", 8) == set()  # unset, as transformers has it
+    assert common.eos_ids({"eos_token_id": 0}, "", 8) == {0}
 
 
 def test_the_python_api_refuses_bad_arguments_naming_them(tiny):
@@ -2398,7 +2400,7 @@ def test_a_tokenizer_of_another_model_is_refused(tiny, tmp_path):
     Tokenizer(models.WordLevel(words, unk_token="w0")).save(str(bigger / "tokenizer.json"))
     # The tests' tokenizer for a model of 2,048 ids
     hf, wider = converted(tmp_path, vocab=2048)
-    size = convert.read_tokenizer(tiny).get_vocab_size()
+    size = common.read_tokenizer(tiny).get_vocab_size()
     for path, tokens, vocab in [(bigger, VOCAB + 1, VOCAB), (wider, size, 2048)]:
         message = f"tokenizer.json of {tokens} tokens for a model of {vocab}: another model's"
         with pytest.raises(UserError, match=re.escape(message)):
@@ -2806,7 +2808,7 @@ def test_config_values_that_describe_no_model_are_refused(changes, message):
     """Each value that leaves the model undefined, refused by the checks that the converter (before
     it writes) and generate.py's loader share, naming the field."""
     with pytest.raises(UserError, match=re.escape(message)):
-        convert.model_args({**CONFIG_BASE, **changes})
+        common.model_args({**CONFIG_BASE, **changes})
 
 
 def test_config_nulls_are_the_defaults():
@@ -2815,8 +2817,8 @@ def test_config_nulls_are_the_defaults():
              "mlp_only_layers", "head_dim", "rope_parameters", "num_local_experts"]
     for config in (CONFIG_BASE, {**CONFIG_BASE, **MOE}):
         nulls = {name: None for name in names if name not in config}
-        args = convert.model_args({**config, **nulls})
-        assert args == convert.model_args(config) and args.yarn == {} and args.mlp_only_layers == []
+        args = common.model_args({**config, **nulls})
+        assert args == common.model_args(config) and args.yarn == {} and args.mlp_only_layers == []
 
 
 def test_config_values_refused_in_one_line_by_both_commands(snapshot, tiny, tmp_path):
@@ -3098,7 +3100,7 @@ def assert_reads_shares(path, mode, world, tp):
     """test_tensor_parallel_reads_each_rank_its_share's checks of one checkpoint."""
     tensors = load_file(next(pathlib.Path(path).glob("model*.safetensors")))
     config = json.load(open(os.path.join(path, "config.json")))
-    args = convert.model_args(config)
+    args = common.model_args(config)
     for name, tensor in tensors.items():
         shares, reads = [], []
         for rank in range(world):
@@ -3705,10 +3707,10 @@ def test_code_lines_counts_as_cloc_does():
     assert code_lines(text) == 6  # import, def, the two lines of the return, the two of S
 
 
-# the optional files' caps; the card's three files: < 1,000
+# the optional files' caps; the card's three files and the common.py they share: < 1,000
 BUDGET = {"qwen3_triton.py": 500, "quantize.py": 165, "chat.py": 110, "tp.py": 120,
           "speculative.py": 120}
-CARD_FILES = ["model.py", "generate.py", "convert_hf_checkpoint.py"]
+CARD_FILES = ["model.py", "common.py", "generate.py", "convert_hf_checkpoint.py"]
 
 
 def library_files() -> list[str]:
@@ -3733,7 +3735,7 @@ def test_the_line_budget_by_file():
     readme = open(os.path.join(HERE, "README.md"), encoding="utf-8").read()
     stated = dict(re.findall(r"^\| `(\w+\.py)` \| ([\d,]+) \|", readme, re.MULTILINE))
     assert {f: int(n.replace(",", "")) for f, n in stated.items()} == counts, stated
-    assert f"| the three together | {card:,} |" in readme
+    assert f"| the four together | {card:,} |" in readme
     assert len(readme.encode()) <= 12 * 1024  # a user's document; bench/RESULTS.md is the lab log
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from convert_hf_checkpoint import UserError
+from common import UserError
 from model import ModelArgs, Transformer
 
 # Row-parallel: each rank takes its columns of the weight (its share of the input)

@@ -50,6 +50,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import generate as G  # noqa: E402
+import common  # noqa: E402
 import convert_hf_checkpoint as convert  # noqa: E402
 import quantize  # noqa: E402
 from model import Experts, ModelArgs, Transformer  # noqa: E402
@@ -123,7 +124,7 @@ def quantized_copy(model: Transformer, mode: str) -> Transformer:
     """The model's own weights quantized as quantize.py stores them (int8, or int4 in groups of
     128), on the model's device: a draft that is the target's own quantized copy."""
     config = quantize.quantized_config(dataclasses.asdict(model.args), mode)
-    tensors, _ = quantize.quantizing(config, convert.checkpoint_tensors(model).items())
+    tensors, _ = quantize.quantizing(config, common.checkpoint_tensors(model).items())
     with torch.device("meta"):
         copy = Transformer(model.args)
         quantize.swap_in(copy, config)
@@ -560,7 +561,7 @@ def write_checkpoint(a: argparse.Namespace) -> list:
     (no Hugging Face snapshot to convert: 30B-A3B's would need the disk twice), with the tokenizer
     files of --tokenizer-from."""
     model = random_model(a.size, a.quant)
-    tensors = convert.checkpoint_tensors(model)
+    tensors = common.checkpoint_tensors(model)
     config = dict(dataclasses.asdict(model.args), eos_token_id=[151645], quantization=None,
                   gate_up="halves")
     if a.quant:
