@@ -46,6 +46,10 @@ def optional(name: str, needed_by: str = ""):
     except ModuleNotFoundError as e:
         if e.name not in (name, "triton"):
             raise
+        # Ours, there but no module (a dangling link, a directory): not missing, broken
+        ours = pathlib.Path(__file__).with_name(f"{name}.py")
+        broken = e.name == name and os.path.lexists(ours)
+        require(not broken, f"{ours}: unreadable: mend or remove it")
         require(not needed_by, f"{needed_by} needs {name}.py")
         return None
 
@@ -166,7 +170,9 @@ def model_args(config: dict) -> ModelArgs:
         # NaN, infinity and numbers past any model's make no model (NaN fails the comparison)
         finite = type(value) not in (int, float) or abs(value) < LARGEST
         negative_int = type(value) is int and value < 0
-        if type(value) not in CONFIG_TYPES[spec.type] or not finite or negative_int:
+        # A list's items too: layer numbers
+        ints = type(value) is not list or all(type(item) is int for item in value)
+        if type(value) not in CONFIG_TYPES[spec.type] or not finite or negative_int or not ints:
             raise UserError(f"config.json: {name} is {value!r}, not a valid value")
     # The bounds the model's formulas need
     args = ModelArgs.from_config(config)

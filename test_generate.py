@@ -791,7 +791,8 @@ def test_config_variants():
     assert common.model_args({**moe, "num_experts": 64}).num_experts == 64  # the hub's
     assert common.eos_ids({**base, "eos_token_id": 7}, "config.json", 8) == {7}
     for bad in [{"num_hidden_layers": "two"}, {"hidden_size": -1}, {"tie_word_embeddings": "yes"},
-                {"rope_theta": "big"}, {"mlp_only_layers": 3.5}, {"rope_parameters": [1]}]:
+                {"rope_theta": "big"}, {"mlp_only_layers": 3.5}, {"rope_parameters": [1]},
+                {"mlp_only_layers": ["0"]}, {"mlp_only_layers": [0.5]}]:
         with pytest.raises(UserError, match="config.json: "):
             common.model_args({**base, **bad})
     refused = [({"rope_theta": 0}, "rope_theta is 0; it must be above 0"),
@@ -2294,9 +2295,10 @@ def test_cli_draft_checkpoint_gives_the_plain_text_and_says_what_was_accepted(ti
     vocab[first], vocab[second] = vocab[second], vocab[first]
     (other / "tokenizer.json").write_text(json.dumps(saved))
     one_line_error(cli(*flags, "--draft-checkpoint", str(other)), "not the target's tokenizer")
-    # Without speculative.py (as if deleted): one line
+    # Without speculative.py (as if deleted: no module, and no file beside common.py): one line
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(sys.modules, "speculative", None)
+        patch.setattr(common, "__file__", str(tmp_path / "common.py"))
         missing = cli(*flags, "--draft-checkpoint", tiny)
     one_line_error(missing, "--draft-checkpoint needs speculative.py")
 
@@ -2906,6 +2908,19 @@ def test_loading_refuses_a_tensor_in_two_files(tiny, tmp_path):
     save_file({name: tensors[name]}, copy / "model-99999.safetensors")
     with pytest.raises(UserError, match=f"tensor {name} is in {shard} too"):
         G.load(str(copy))
+
+
+def test_an_optional_file_there_but_unreadable_is_an_error(tmp_path, monkeypatch):
+    """qwen3_triton.py (or any optional file of ours) as a dangling link or a directory: an error
+    naming it, not "missing", which would run many times slower without a word; one that isn't
+    there is missing."""
+    monkeypatch.setattr(common, "__file__", str(tmp_path / "common.py"))
+    (tmp_path / "dangling_optional.py").symlink_to(tmp_path / "nowhere.py")
+    (tmp_path / "directory_optional.py").mkdir()
+    for name in ("dangling_optional", "directory_optional"):
+        with pytest.raises(UserError, match=re.escape(f"{tmp_path / name}.py: unreadable: mend")):
+            common.optional(name)
+    assert common.optional("absent_optional") is None
 
 
 def test_loading_refuses_a_weight_of_ints_where_floats_belong(tiny, tmp_path):
