@@ -372,8 +372,10 @@ class Generator:
                 f"max new tokens ({max_new}) is over the cache length ({usable}): fewer "
                 "--max-new-tokens, or a longer --cache-len")
         stats = GenerationStats(0.0, 0.0, 0.0, 0)
-        # The field of stats that times what ran since the last check; the tokens per row then
-        kind, checked = "prefill_s", 0
+        # Each check times what ran since the last one, the host waiting for the device: at the
+        # first, the prefill; then decode steps, warming up at a new attended length or not. The
+        # tokens a row had at the last check: none before the first.
+        warming, checked = False, 0
         began = time.perf_counter()
         self.prefill(prompts, start)
         # Row 0's first new token's position: every row makes as many tokens a step
@@ -393,8 +395,12 @@ class Generator:
                 if on_tokens and not stats.interrupted:
                     on_tokens(new_tokens)
                 now = time.perf_counter()
-                vars(stats)[kind] += now - began
-                if kind == "decode_s":
+                if checked == 0:
+                    stats.prefill_s = now - began
+                elif warming:
+                    stats.warmup_s += now - began
+                else:
+                    stats.decode_s += now - began
                     stats.decode_tokens += produced - checked
                 began, checked = now, produced
                 if produced == max_new or None not in ends or stats.interrupted:
@@ -410,9 +416,9 @@ class Generator:
                 room = min(check_every, max_new - produced, kv_len - longest - produced + 1)
                 steps = max(1, room // self.step_tokens)
                 # The first steps at a new length compile or capture its own: timed apart
-                kind = "decode_s"
-                if (self.compiled or self.graphed) and kv_len not in self.warmed:
-                    kind, steps = "warmup_s", min(steps, self.warmup_steps)
+                warming = (self.compiled or self.graphed) and kv_len not in self.warmed
+                if warming:
+                    steps = min(steps, self.warmup_steps)
                     self.warmed.add(kv_len)
                 for _ in range(steps):
                     self.decode_step(kv_positions)
