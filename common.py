@@ -191,8 +191,10 @@ def model_args(config: dict) -> ModelArgs:
     # Past any Qwen3's by far: building the model would take minutes, or overflow a tensor's size
     widest = max(args.intermediate_size, args.num_experts * args.moe_intermediate_size,
                  args.vocab_size, args.num_attention_heads * args.head_dim)
-    sane = args.hidden_size * widest < 2**40 and args.num_hidden_layers < 2**12
-    require(sane, "config.json: sizes far past any Qwen3's; download it again")
+    sizes = args.hidden_size * widest < 2**40 and args.num_hidden_layers < 2**12
+    # Or a cache of every position (a --cache-len up to it) that no memory holds
+    positions = args.max_position_embeddings < 2**24
+    require(sizes and positions, "config.json: sizes far past any Qwen3's; download it again")
     return args
 
 

@@ -2793,7 +2793,8 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
     ({"yarn": [4]}, "YaRN parameters [4] are not all numbers below 2^40"),
     # sizes past any Qwen3's, each: building the model would take minutes, or overflow
     *[({name: 2 ** 39}, "sizes far past any Qwen3's") for name in
-      ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size", "head_dim")],
+      ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size", "head_dim",
+       "max_position_embeddings")],
     # numbers past any config.json's: an int too large for a float, an overflowing YaRN context
     *[({name: 10 ** 400}, "0, not a valid value") for name in
       ("num_hidden_layers", "rms_norm_eps", "rope_theta", "max_position_embeddings")],
