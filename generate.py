@@ -368,9 +368,10 @@ class Generator:
         longest = start + max(map(len, prompts))
         # The cache less what a last step may write past max_new (a round's drafts: k positions)
         usable = self.capacity - self.step_tokens + 1
+        most = self.model.args.max_position_embeddings
         require(longest + max_new <= usable, f"the prompt ({counted(longest, 'token')}) + "
                 f"max new tokens ({max_new}) is over the cache length ({usable}): fewer "
-                "--max-new-tokens, or a longer --cache-len")
+                f"--max-new-tokens, or a longer --cache-len (at most the model's {most})")
         stats = GenerationStats(0.0, 0.0, 0.0, 0)
         # Each check times what ran since the last one, the host waiting for the device: at the
         # first, the prefill; then decode steps, warming up at a new attended length or not. The

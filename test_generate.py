@@ -2522,7 +2522,8 @@ def test_the_cache_holds_a_buckets_length(tiny, monkeypatch, capsys):
     (["--prompt", "   "], "empty prompt"),
     (["--max-new-tokens", "100", "--cache-len", "50"],
      "over the cache length (50): fewer --max-new-tokens, or a longer --cache-len"),
-    (["--max-new-tokens", "5000"], "max new tokens (5000) is over the cache length (2048)"),
+    (["--max-new-tokens", "5000"], "max new tokens (5000) is over the cache length (2048): fewer "
+     "--max-new-tokens, or a longer --cache-len (at most the model's 2048)"),
     (["--cache-len", "5000"],
      "a cache of 5000 positions is over the model's 2048: ask for fewer positions (--cache-len)"),
     (["--stop-ids"], "argument --stop-ids: expected at least one argument"),
