@@ -134,18 +134,18 @@ def _largest(values, ids, K: tl.constexpr, KB: tl.constexpr, BITONIC: tl.constex
 def _route(router, EXPERTS: tl.constexpr, TOP_K: tl.constexpr, NORM_TOPK: tl.constexpr,
            EB: tl.constexpr, KB: tl.constexpr):
     # A MoE router's picks from its logits, as MoE.forward makes them: softmax in fp32, the TOP_K
-    # most probable experts, renormalised to sum 1 with NORM_TOPK. Returns (ids, weights), vectors
-    # of KB (TOP_K rounded up to a power of two): pick i at index i.
+    # most probable experts, renormalised to sum 1 with NORM_TOPK. Returns (ids, route_weights),
+    # vectors of KB (TOP_K rounded up to a power of two): pick i at index i.
     e = tl.arange(0, EB)
     p = tl.load(router + e, mask=e < EXPERTS, other=float("-inf")).to(tl.float32)
     p = tl.exp(p - tl.max(p, axis=0))
     p = p / tl.sum(p, axis=0)
     # the picks, most probable first (ties to the lower id, as argmax's); 0 past TOP_K
     probs, ids = _largest(p, e, TOP_K, KB, BITONIC=True)
-    weights = tl.where(tl.arange(0, KB) < TOP_K, probs, 0.0)
+    route_weights = tl.where(tl.arange(0, KB) < TOP_K, probs, 0.0)
     if NORM_TOPK:
-        weights = weights / tl.sum(weights, axis=0)
-    return ids, weights
+        route_weights = route_weights / tl.sum(route_weights, axis=0)
+    return ids, route_weights
 
 
 @triton.jit
@@ -214,7 +214,7 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, row_words, x_row,
     expert = 0
     if EXPERTS:  # the router's logits are the previous kernel's
         _wait_for_previous(PDL)
-        ids, weights = _route(router + r * EXPERTS, EXPERTS, TOP_K, NORM_TOPK, EB, KB)
+        ids, route_weights = _route(router + r * EXPERTS, EXPERTS, TOP_K, NORM_TOPK, EB, KB)
         pick = tl.arange(0, KB) == j
         expert = tl.sum(tl.where(pick, ids, 0), axis=0)
     w_rows = weight + expert * N * row_words
@@ -280,7 +280,7 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, row_words, x_row,
     if SCALE:
         y = y * tl.load(scale + expert * N + n, mask=n < N, other=0.0).to(tl.float32)
     if ROUTED:
-        y = y * tl.sum(tl.where(pick, weights, 0.0), axis=0)
+        y = y * tl.sum(tl.where(pick, route_weights, 0.0), axis=0)
     if RES:
         y = y + tl.load(res + r * N + n, mask=n < N, other=0.0).to(tl.float32)
     # the output rows, of `count`: the weight rows, or their pairs
@@ -512,7 +512,7 @@ def gemv_output(x, weight, scale=None, norm=None, eps=0.0, gated=False, residual
 
 
 @triton.jit
-def _norm_rope(x, rows, row_mask, weights, cos, sin, eps, HEAD_DIM: tl.constexpr,
+def _norm_rope(x, rows, row_mask, norm_weights, cos, sin, eps, HEAD_DIM: tl.constexpr,
                D: tl.constexpr):
     # RMSNorm over each row's head_dim, times its row's norm weights (a pointer a row), then RoPE
     # in the split-halves layout: model.py's q_norm / k_norm and apply_rope, in fp32.
@@ -523,8 +523,8 @@ def _norm_rope(x, rows, row_mask, weights, cos, sin, eps, HEAD_DIM: tl.constexpr
     mask = row_mask[:, None] & (d[None, :] < HEAD_DIM)
     xd = tl.load(x + rows[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
     xp = tl.load(x + rows[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    wd = tl.load(weights[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    wp = tl.load(weights[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    wd = tl.load(norm_weights[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    wp = tl.load(norm_weights[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xd * xd, axis=1) / HEAD_DIM + eps)[:, None]
     # rotate_half: the first half takes its partner negated
     signs = tl.where(d < half, -1.0, 1.0)
