@@ -131,21 +131,23 @@ def _largest(values, ids, K: tl.constexpr, KB: tl.constexpr, BITONIC: tl.constex
 
 
 @triton.jit
-def _route(router, EXPERTS: tl.constexpr, TOP_K: tl.constexpr, NORM_TOPK: tl.constexpr,
-           EB: tl.constexpr, KB: tl.constexpr):
-    # A MoE router's picks from its logits, as MoE.forward makes them: softmax in fp32, the TOP_K
-    # most probable experts, renormalised to sum 1 with NORM_TOPK. Returns (ids, route_weights),
-    # vectors of KB (TOP_K rounded up to a power of two): pick i at index i.
+def _pick(router, j, EXPERTS: tl.constexpr, TOP_K: tl.constexpr, NORM_TOPK: tl.constexpr,
+          EB: tl.constexpr, KB: tl.constexpr):
+    # A token's pick j from its router logits (EXPERTS,), as MoE.forward picks: softmax in fp32,
+    # the TOP_K most probable experts (most probable first, ties to the lower id, as argmax's),
+    # their weights renormalised to sum 1 with NORM_TOPK. Returns pick j's expert and weight.
     e = tl.arange(0, EB)
     p = tl.load(router + e, mask=e < EXPERTS, other=float("-inf")).to(tl.float32)
     p = tl.exp(p - tl.max(p, axis=0))
     p = p / tl.sum(p, axis=0)
-    # the picks, most probable first (ties to the lower id, as argmax's); 0 past TOP_K
+    # vectors of KB (TOP_K rounded up to a power of two), pick i at index i; weight 0 past TOP_K
     probs, ids = _largest(p, e, TOP_K, KB, BITONIC=True)
-    route_weights = tl.where(tl.arange(0, KB) < TOP_K, probs, 0.0)
+    picks = tl.arange(0, KB)
+    route_weights = tl.where(picks < TOP_K, probs, 0.0)
     if NORM_TOPK:
         route_weights = route_weights / tl.sum(route_weights, axis=0)
-    return ids, route_weights
+    expert = tl.sum(tl.where(picks == j, ids, 0), axis=0)
+    return expert, tl.sum(tl.where(picks == j, route_weights, 0.0), axis=0)
 
 
 @triton.jit
@@ -167,35 +169,61 @@ def _weight_block(w_rows, n, k0, N, row_words, BK: tl.constexpr):
 
 
 @triton.jit
-def _subnormal_field(words, shift: tl.constexpr, FIELD_BITS: tl.constexpr,
-                     SIGNED: tl.constexpr):
-    # The field of FIELD_BITS bits at `shift` in the low 16 bits of each int32 word, as the fp32
-    # whose bits are the field masked in place: the subnormal u * 2^(shift - 149), exactly, for u
-    # the field's unsigned value. One integer operation a weight, where a conversion instruction a
-    # weight would be the limit. SIGNED (int8): the sign bit flipped in the same operation, so
-    # u = q + 128.
-    bits = words & ((2 ** FIELD_BITS - 1) << shift)
-    if SIGNED:
-        bits = bits ^ (128 << shift)
-    return bits.to(tl.float32, bitcast=True)
+def _field_weights(w_words, i: tl.constexpr, PACK: tl.constexpr, SIGNED: tl.constexpr):
+    # Weight i of each word of a block (BN, BK) in fp32, and the factor its input takes. Float
+    # weights, one a word: themselves, and 1. Quantized, int32 words of PACK fields (int8's 4
+    # bytes, int4's 8 nibbles; fields PACK / 2 on in the word's high half, shifted down 16): the
+    # fp32 whose bits are the field's FIELD_BITS bits at `shift`, masked in place, which is the
+    # subnormal u * 2^(shift - 149), exactly, for u the field's unsigned value: one integer
+    # operation a weight, where a conversion instruction a weight would be the limit. SIGNED
+    # (int8): the sign bit flipped in the same operation, so u = q + 128. Its input takes
+    # 2^(85 - shift), for products u * a * 2^-64, scaled back at the end.
+    if PACK == 1:
+        w, input_factor = w_words.to(tl.float32), 1.0
+    else:
+        FIELD_BITS: tl.constexpr = 32 // PACK
+        shift: tl.constexpr = FIELD_BITS * (i % (PACK // 2))
+        half = w_words >> 16 if i >= PACK // 2 else w_words
+        bits = half & ((2 ** FIELD_BITS - 1) << shift)
+        if SIGNED:
+            bits = bits ^ (128 << shift)
+        w = bits.to(tl.float32, bitcast=True)
+        input_factor = 2.0 ** 85 / (1 << shift)
+    return w, input_factor
+
+
+@triton.jit
+def _int4_groups(acc, products, a_sum, scale, offset, expert, n, N, k0, K,
+                 GROUP_SIZE: tl.constexpr, GROUP_WORDS: tl.constexpr):
+    # int4's w = q * scale + offset per GROUP_SIZE columns: acc (BN, BK / GROUP_WORDS) plus a
+    # block's products q * a (BN, BK), of words k0 on of the expert's weight rows n, summed by
+    # group, times their groups' scales (and 2^64: _field_weights' inputs took 2^-64), plus their
+    # offsets times the group's sum of a
+    BN: tl.constexpr = products.shape[0]
+    GROUPS: tl.constexpr = products.shape[1] // GROUP_WORDS
+    sums = tl.sum(tl.reshape(products, [BN, GROUPS, GROUP_WORDS]), axis=2)
+    a_sums = tl.sum(tl.reshape(a_sum, [GROUPS, GROUP_WORDS]), axis=1)
+    g = k0 // GROUP_WORDS + tl.arange(0, GROUPS)
+    at = (expert * N + n[:, None]) * (K // GROUP_SIZE) + g[None, :]
+    g_mask = (n[:, None] < N) & (g[None, :] < K // GROUP_SIZE)
+    group_scale = tl.load(scale + at, mask=g_mask, other=0.0).to(tl.float32)
+    group_offset = tl.load(offset + at, mask=g_mask, other=0.0).to(tl.float32)
+    return acc + sums * (group_scale * 2.0 ** 64) + group_offset * a_sums[None, :]
 
 
 @triton.jit
 def _gemv(x, weight, scale, offset, norm, res, out, router, N, row_words, x_row,
-          eps: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
-          SCALE: tl.constexpr, RES: tl.constexpr, EXPERTS: tl.constexpr, TOP_K: tl.constexpr,
+          eps: tl.constexpr, GATED: tl.constexpr, EXPERTS: tl.constexpr, TOP_K: tl.constexpr,
           NORM_TOPK: tl.constexpr, ROUTED: tl.constexpr, EB: tl.constexpr, KB: tl.constexpr,
           BN: tl.constexpr, BK: tl.constexpr, PACK: tl.constexpr, GROUP_SIZE: tl.constexpr,
           PDL: tl.constexpr):
-    # out[n] = res[n] + scale[n] * sum_k w[n, k] * a[k], where a = x * norm / rms(x), or x;
-    # GATED, rows i and N / 2 + i of that are gate i and up i: out[i] = silu(gate) * up. MoE: w
-    # and scale hold EXPERTS experts, of which token r's router logits pick TOP_K, and its output
-    # for pick j uses pick j, from x[r]; or, ROUTED, from its own input row x[r x TOP_K + j] and
-    # weighted by its routing weight, for _add_rows to sum. Quantized weights come as int32 words
-    # of PACK fields (int8's 4 bytes, int4's 8 nibbles), each read as _subnormal_field reads it.
-    # int8's u = q + 128: the sum of a times 128 is taken off at the end. int4's w = q * scale +
-    # offset per GROUP_SIZE columns of a row: the sums of q * a of a block's groups are scaled,
-    # plus offset * each group's sum of a.
+    # out[n] = res[n] + scale[n] * sum_k w[n, k] * a[k], where a = x * norm / rms(x) with a norm,
+    # else x; GATED, rows i and N / 2 + i of that are gate i and up i: out[i] = silu(gate) * up.
+    # MoE: w and scale hold EXPERTS experts, of which token r's router logits pick TOP_K, and its
+    # output for pick j uses pick j, from x[r]; or, ROUTED, from its own input row
+    # x[r x TOP_K + j] and weighted by its routing weight, for _add_rows to sum. Weights are
+    # float, or int32 words of PACK quantized fields (_field_weights): int8 with a scale per row,
+    # int4 with a scale and an offset per GROUP_SIZE columns of a row (_int4_groups).
     #
     # Program (tile, j, r): BN rows of token r's output for pick j, r * TOP_K + j (ROUTED: a
     # program summing the picks would read their weights one after another, too few bytes in
@@ -203,20 +231,16 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, row_words, x_row,
     n = _weight_rows(N, BN, GATED)
     j, r = tl.program_id(1), tl.program_id(2)
     out_row = r * max(TOP_K, 1) + j
-    # GROUP_WORDS words per int4 group, else 1; FIELD_BITS bits a field
     K = row_words * PACK
+    # GROUP_WORDS words per int4 group, else 1
     GROUP_WORDS: tl.constexpr = max(GROUP_SIZE // PACK, 1)
-    FIELD_BITS: tl.constexpr = 32 // PACK
+    INT8: tl.constexpr = PACK == 4
     # the input row this program reads, and its pick
-    x_in = x + r * x_row
-    if ROUTED:
-        x_in = x + out_row * x_row
+    x_in = x + (out_row if ROUTED else r) * x_row
     expert = 0
     if EXPERTS:  # the router's logits are the previous kernel's
         _wait_for_previous(PDL)
-        ids, route_weights = _route(router + r * EXPERTS, EXPERTS, TOP_K, NORM_TOPK, EB, KB)
-        pick = tl.arange(0, KB) == j
-        expert = tl.sum(tl.where(pick, ids, 0), axis=0)
+        expert, route_weight = _pick(router + r * EXPERTS, j, EXPERTS, TOP_K, NORM_TOPK, EB, KB)
     w_rows = weight + expert * N * row_words
     # The first block of weights is read before the wait (no kernel writes weights): its loads are
     # in flight while the previous kernel ends. Each later block's are, during the block before.
@@ -230,42 +254,24 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, row_words, x_row,
     for k0 in range(0, row_words, BK):
         words = k0 + tl.arange(0, BK)
         # int4: the block's products apart, to be scaled by group
-        part = acc
+        products = acc
         if GROUP_SIZE:
-            part = tl.zeros([BN, BK], tl.float32)
+            products = tl.zeros([BN, BK], tl.float32)
         a_sum = tl.zeros([BK], tl.float32)
-        if PACK > 1:
-            high = w_words >> 16
         for i in tl.static_range(PACK):
             k = words * PACK + i
             a = tl.load(x_in + k, mask=k < K, other=0.0).to(tl.float32)
             # 1/rms is applied at the end: it scales every output alike
-            if NORM:
+            if norm is not None:
                 squares += a * a
                 a = a * tl.load(norm + k, mask=k < K, other=0.0).to(tl.float32)
-            if PACK > 1:
-                # Fields PACK / 2 on lie in the word's high half, shifted down 16
-                shift = FIELD_BITS * (i % (PACK // 2))
-                half = high if i >= PACK // 2 else w_words
-                wi = _subnormal_field(half, shift, FIELD_BITS, SIGNED=not GROUP_SIZE)
-                a_sum += a
-                # a takes 2^(85 - shift): the product u * a * 2^-64, scaled back at the end
-                a = a * (2.0 ** 85 / (1 << shift))
-            else:
-                wi = w_words.to(tl.float32)
-            part += wi * a[None, :]
+            w, input_factor = _field_weights(w_words, i, PACK, SIGNED=not GROUP_SIZE)
+            a_sum += a
+            products += w * (a * input_factor)[None, :]
         if GROUP_SIZE:
-            # (BN, BK / GROUP_WORDS) the block's sums by group, and their groups' scales and
-            # offsets
-            sums = tl.sum(tl.reshape(part, [BN, BK // GROUP_WORDS, GROUP_WORDS]), axis=2)
-            a_sums = tl.sum(tl.reshape(a_sum, [BK // GROUP_WORDS, GROUP_WORDS]), axis=1)
-            g = k0 // GROUP_WORDS + tl.arange(0, BK // GROUP_WORDS)
-            at = (expert * N + n[:, None]) * (K // GROUP_SIZE) + g[None, :]
-            g_mask = (n[:, None] < N) & (g[None, :] < K // GROUP_SIZE)
-            group_scale = tl.load(scale + at, mask=g_mask, other=0.0).to(tl.float32)
-            group_offset = tl.load(offset + at, mask=g_mask, other=0.0).to(tl.float32)
-            part = acc + sums * (group_scale * 2.0 ** 64) + group_offset * a_sums[None, :]
-        acc = part
+            products = _int4_groups(acc, products, a_sum, scale, offset, expert, n, N, k0, K,
+                                    GROUP_SIZE, GROUP_WORDS)
+        acc = products
         a_total += a_sum
         w_words = _weight_block(w_rows, n, k0 + BK, N, row_words, BK)
     # the next kernel may launch: this one has its stores left
@@ -273,15 +279,15 @@ def _gemv(x, weight, scale, offset, norm, res, out, router, N, row_words, x_row,
         tl.extra.cuda.gdc_launch_dependents()
     y = tl.sum(acc, axis=1)
     # int8: back from 2^-64, less the bias of its u = q + 128
-    if PACK == 4:
+    if INT8:
         y = y * 2.0 ** 64 - 128.0 * tl.sum(a_total, axis=0)
-    if NORM:
+    if norm is not None:
         y = y * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
-    if SCALE:
+    if INT8:
         y = y * tl.load(scale + expert * N + n, mask=n < N, other=0.0).to(tl.float32)
     if ROUTED:
-        y = y * tl.sum(tl.where(pick, route_weights, 0.0), axis=0)
-    if RES:
+        y = y * route_weight
+    if res is not None:
         y = y + tl.load(res + r * N + n, mask=n < N, other=0.0).to(tl.float32)
     # the output rows, of `count`: the weight rows, or their pairs
     rows, count = n, N
@@ -321,23 +327,23 @@ def _field(words, i: tl.constexpr, FIELD_BITS: tl.constexpr, SIGNED: tl.constexp
 
 @triton.jit
 def _rows_product(x, weight, scale, offset, norm, res, out, M, N, row_words, eps: tl.constexpr,
-                  NORM: tl.constexpr, GATED: tl.constexpr, SCALE: tl.constexpr,
-                  RES: tl.constexpr, PACK: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                  GATED: tl.constexpr, PACK: tl.constexpr, GROUP_SIZE: tl.constexpr,
                   MB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
     # _gemv's product for M tokens x (M, K), without experts: each block of weights is read once
     # for MB tokens, a product on tensor cores, (BN, BK) weights times (BK, MB) inputs, each
     # rounded to x's dtype (the weights dequantized as quantize.dequantized does), summed in
-    # fp32. With NORM, the inputs times the norm's weights; 1 / rms scales the sums at the end.
+    # fp32. With a norm, the inputs times the norm's weights; 1 / rms scales the sums at the end.
     # Program (tile, token block): BN weight rows (GATED: BN / 2 pairs) for MB tokens
     n = _weight_rows(N, BN, GATED)
     m = tl.program_id(1) * MB + tl.arange(0, MB)
     K = row_words * PACK
     FIELD_BITS: tl.constexpr = 32 // PACK
     DOT_TYPE: tl.constexpr = x.dtype.element_ty
+    INT8: tl.constexpr = PACK == 4
     _wait_for_previous(PDL)
     # (MB,) each token's sum of squares, for its 1 / rms, applied at the end
     squares = tl.zeros([MB], tl.float32)
-    if SCALE:
+    if INT8:
         row_scale = tl.load(scale + n, mask=n < N, other=0.0).to(tl.float32)
     acc = tl.zeros([BN, MB], tl.float32)
     for k0 in range(0, row_words, BK):
@@ -353,7 +359,7 @@ def _rows_product(x, weight, scale, offset, norm, res, out, M, N, row_words, eps
             k = words * PACK + i
             a_mask = (k[:, None] < K) & (m[None, :] < M)
             a = tl.load(x + m[None, :] * K + k[:, None], mask=a_mask, other=0.0).to(tl.float32)
-            if NORM:
+            if norm is not None:
                 squares += tl.sum(a * a, axis=0)
                 a = a * tl.load(norm + k, mask=k < K, other=0.0).to(tl.float32)[:, None]
             w = w_words
@@ -361,15 +367,15 @@ def _rows_product(x, weight, scale, offset, norm, res, out, M, N, row_words, eps
                 w = _field(w_words, i, FIELD_BITS, SIGNED=not GROUP_SIZE).to(tl.float32)
             if GROUP_SIZE:
                 w = w * group_scale + group_offset
-            if SCALE:
+            if INT8:
                 w = w * row_scale[:, None]
             acc += tl.dot(w.to(DOT_TYPE), a.to(DOT_TYPE), input_precision="ieee")
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     y = acc
-    if NORM:
+    if norm is not None:
         y = y * tl.rsqrt(squares / K + eps)[None, :]
-    if RES:
+    if res is not None:
         res_mask = (n[:, None] < N) & (m[None, :] < M)
         y += tl.load(res + m[None, :] * N + n[:, None], mask=res_mask, other=0.0).to(tl.float32)
     rows, count = n, N
@@ -461,10 +467,8 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | 
         # 16 tokens a program: tl.dot's least
         grid = (triton.cdiv(N, config["BN"]), triton.cdiv(tokens, 16))
         _rows_product[grid](x, words, scale, offset, norm, residual, out, tokens, N, row_words,
-                            eps, NORM=norm is not None, GATED=gated,
-                            SCALE=scale is not None and not group_size,
-                            RES=residual is not None, PACK=pack, GROUP_SIZE=group_size, MB=16,
-                            **config, **dependent_launch(x))
+                            eps, GATED=gated, PACK=pack, GROUP_SIZE=group_size, MB=16, **config,
+                            **dependent_launch(x))
         return out
     product_kind = input_kind(norm, router, routed), kind
     config = GEMV_CONFIGS[product_kind]
@@ -491,9 +495,7 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | 
     # A None argument is a constexpr None to Triton: the branches that would read it are not
     # compiled
     _gemv[grid](x, words, scale, offset, norm, added, picks, router, N, row_words, x.shape[-1],
-                eps,
-                NORM=norm is not None, GATED=gated, SCALE=scale is not None and not group_size,
-                RES=added is not None, PACK=pack, GROUP_SIZE=group_size, **routing, **config,
+                eps, GATED=gated, PACK=pack, GROUP_SIZE=group_size, **routing, **config,
                 **dependent_launch(x))
     if routed:
         _add_rows[(triton.cdiv(N, 1024), tokens)](picks, residual, out, N, ROWS=top_k,
