@@ -483,7 +483,7 @@ def gemv(x: Tensor, weight: Tensor, scale: Tensor | None = None, norm: Tensor | 
         config = dict(BN=2, BK=2048, num_warps=2)
     # int4: whole groups a block
     config = dict(config, BK=max(config["BK"], group_size // pack))
-    # _route's picks: vectors of 2 or more (tl.topk)
+    # _pick's vectors: of 2 or more (tl.topk)
     routing = dict(EXPERTS=experts, TOP_K=top_k, NORM_TOPK=norm_topk_prob, ROUTED=routed,
                    EB=triton.next_power_of_2(max(experts, 2)),
                    KB=triton.next_power_of_2(max(top_k, 2)))
