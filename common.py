@@ -117,8 +117,7 @@ def read_tensor(file: str, name: str) -> torch.Tensor:
 SUPPORTED = [(["Qwen3ForCausalLM"], "qwen3"), (["Qwen3MoeForCausalLM"], "qwen3_moe")]
 # The JSON types a config.json value may have, by the type of its ModelArgs field. A bool is no int
 # here.
-CONFIG_TYPES = {int: (int,), float: (int, float), bool: (bool,),
-                list[int]: (list,), dict: (dict,)}
+CONFIG_TYPES = {int: (int,), float: (int, float), bool: (bool,), list[int]: (list,), dict: (dict,)}
 # What config.json must give: no default is safe for these
 REQUIRED = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "vocab_size", "rms_norm_eps", "max_position_embeddings"]

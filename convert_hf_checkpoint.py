@@ -83,9 +83,6 @@ def convert(src: str, out: str, quantization: str | None = None, shard_bytes: in
     src = pathlib.Path(src)
     args, config = snapshot_args(src)
     require(quantization or group_size is None, "--group-size goes with --quantize int4")
-    if quantization:
-        quantize = optional("quantize", quantization)
-        config = quantize.quantized_config(config, quantization, group_size)
     with torch.device("meta"):
         expected = checkpoint_tensors(Transformer(args))
     files = list_tensors(src, "*.safetensors")
@@ -97,8 +94,11 @@ def convert(src: str, out: str, quantization: str | None = None, shard_bytes: in
     # Joined as they are written, one at a time
     pairs = ((name, joined(src, name, files, meta)) for name, meta in expected.items())
     count = len(expected)
-    # A tensor at a time, as read
+    # quantize.py's config.json (its checks of --group-size), and its tensors a tensor at a time,
+    # as read
     if quantization:
+        quantize = optional("quantize", quantization)
+        config = quantize.quantized_config(config, quantization, group_size)
         pairs, count = quantize.quantizing(config, pairs)
     write_checkpoint(out, pairs, count, config, src, shard_bytes)
 

@@ -83,9 +83,8 @@ def sample(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     # The smallest head whose mass reaches top_p (the first always stays)
     if params.top_p < 1:
         probs = scores.softmax(-1)
-        # The mass of the candidates before each
-        ahead = probs.cumsum(-1) - probs
-        scores = scores.masked_fill(ahead >= params.top_p, float("-inf"))
+        # Masked where the mass of the candidates before it reaches top_p
+        scores = scores.masked_fill(probs.cumsum(-1) - probs >= params.top_p, float("-inf"))
     # Plus Gumbel noise, -log(-log(u)) of a uniform u
     choice = (scores - torch.log(-torch.log(torch.rand_like(scores)))).argmax(-1)
     return candidates.gather(-1, choice[:, None])[:, 0] if filtered else choice
@@ -336,9 +335,9 @@ class Generator:
         positions = state.prompt_positions[:count, :length]
         # To every row
         positions.copy_(self.model.key_positions[start:start + length])
-        # From position 0: the prompts' own length, where they attend causally among themselves
-        kv_len = bucket(start + length, self.capacity) if start else length
-        self.prefill_step(positions, kv_len)
+        # kv_len from position 0: the prompts' own length, where they attend causally among
+        # themselves
+        self.prefill_step(positions, bucket(start + length, self.capacity) if start else length)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], *, max_new: int, stop_ids: set,
@@ -482,10 +481,9 @@ class Tokenizer:
         enable_thinking=False."""
         require(self.chat_template, "the checkpoint has no chat template: plain prompts only")
         listed = isinstance(messages, list) and all(isinstance(m, dict) for m in messages)
-        texts = listed and all(isinstance(m.get("content"), str) for m in messages)
-        roles = texts and {m.get("role") for m in messages}
-        # At least one message, and each of a role the template knows
-        known = roles and roles <= {"system", "user", "assistant"}
+        # At least one message, each a str content of a role the template knows
+        texts = listed and messages and all(isinstance(m.get("content"), str) for m in messages)
+        known = texts and {m.get("role") for m in messages} <= {"system", "user", "assistant"}
         require(known, f"messages {messages!r}: a list of one or more dicts, "
                 "each a role (system, user or assistant) and a str content")
         require(type(thinking) is bool, f"thinking {thinking!r}: True or False")
