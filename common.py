@@ -117,7 +117,8 @@ def read_tensor(file: str, name: str) -> torch.Tensor:
 SUPPORTED = [(["Qwen3ForCausalLM"], "qwen3"), (["Qwen3MoeForCausalLM"], "qwen3_moe")]
 # The JSON types a config.json value may have, by the type of its ModelArgs field. A bool is no int
 # here.
-CONFIG_TYPES = {int: (int,), float: (int, float), bool: (bool,), list[int]: (list,), dict: (dict,)}
+CONFIG_TYPES = {int: (int,), float: (int, float), bool: (bool,),
+                list[int]: (list,), dict: (dict,)}
 # What config.json must give: no default is safe for these
 REQUIRED = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "vocab_size", "rms_norm_eps", "max_position_embeddings"]
@@ -173,11 +174,12 @@ def model_args(config: dict) -> ModelArgs:
         ints = type(value) is not list or all(type(item) is int for item in value)
         if type(value) not in CONFIG_TYPES[spec.type] or not finite or negative_int or not ints:
             raise UserError(f"config.json: {name} is {value!r}, not a valid value")
-    # The bounds the model's formulas need
+        # The bounds the model's formulas need, before from_config divides by any
+        if name in POSITIVE and value <= 0:
+            raise UserError(f"config.json: {name} is {value!r}; it must be above 0")
     args = ModelArgs.from_config(config)
-    for name in POSITIVE:
-        value = getattr(args, name)
-        require(value > 0, f"config.json: {name} is {value!r}; it must be above 0")
+    # Older configs' head_dim, hidden_size // num_attention_heads (a head_dim given is above 0)
+    require(args.head_dim > 0, "config.json: hidden_size is under num_attention_heads")
     too_many = args.num_experts and args.num_experts_per_tok > args.num_experts
     require(not too_many, "config.json: num_experts_per_tok is over num_experts")
     if args.num_attention_heads % args.num_key_value_heads:

@@ -335,8 +335,8 @@ class Generator:
         positions = state.prompt_positions[:count, :length]
         # To every row
         positions.copy_(self.model.key_positions[start:start + length])
-        # kv_len from position 0: the prompts' own length, where they attend causally among
-        # themselves
+        # The attended length: the bucket that holds the prompts, or from position 0 their own
+        # length, where they attend causally among themselves
         self.prefill_step(positions, bucket(start + length, self.capacity) if start else length)
 
     @torch.no_grad()
@@ -455,6 +455,12 @@ class Tokenizer:
         config_file = pathlib.Path(path, "tokenizer_config.json")
         config = read_json(config_file) if config_file.is_file() else {}
         self.chat_template = config.get("chat_template")
+        # Hugging Face's list of named templates, [{"name": ..., "template": ...}]: "default", the
+        # one transformers renders for messages without tools
+        if isinstance(self.chat_template, list):
+            named = {t.get("name"): t.get("template")
+                     for t in self.chat_template if isinstance(t, dict)}
+            self.chat_template = named.get("default")
         template_file = pathlib.Path(path, "chat_template.jinja")
         # Where newer snapshots keep it; transformers prefers it too
         if template_file.is_file():

@@ -2391,6 +2391,32 @@ def test_chat_template_from_the_checkpoint_first_refused_where_it_has_none(tiny,
                    "the checkpoint has no chat template: plain prompts only")
 
 
+def test_a_list_of_named_chat_templates_gives_its_default(tiny, tmp_path):
+    """tokenizer_config.json's chat_template as Hugging Face's list of named templates: the one
+    named "default" renders, as transformers' apply_chat_template renders it; without one, the
+    checkpoint has no chat template, where transformers refuses too."""
+    import transformers
+    own = tmp_path / "own"
+    shutil.copytree(tiny, own)
+    tools = {"name": "tool_use", "template": "{{ 'with tools' }}"}
+    default = {"name": "default", "template": QWEN3_CHAT_TEMPLATE}
+    edit_json(own / "tokenizer_config.json", chat_template=[tools, default])
+    theirs = transformers.PreTrainedTokenizerFast.from_pretrained(str(own))
+    messages = user_says("Why is the sky blue?")
+    want = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert G.Tokenizer(str(own), VOCAB).chat(messages) == want
+    assert want.startswith("<|im_start|>user\nWhy is the sky blue?")
+    # an entry of no name and template (transformers' TypeError): passed over
+    edit_json(own / "tokenizer_config.json", chat_template=[tools, "not a template", default])
+    assert G.Tokenizer(str(own), VOCAB).chat(messages) == want
+    edit_json(own / "tokenizer_config.json", chat_template=[tools])
+    with pytest.raises(ValueError, match="no default"):
+        transformers.PreTrainedTokenizerFast.from_pretrained(str(own)).apply_chat_template(
+            messages, tokenize=False)
+    with pytest.raises(UserError, match="the checkpoint has no chat template"):
+        G.Tokenizer(str(own), VOCAB).chat(messages)
+
+
 def test_a_tokenizer_of_another_model_is_refused(tiny, tmp_path):
     """A tokenizer.json of more ids than the model's, or of fewer by a thousand or more (a model
     pads its tokenizer's ids by a few hundred at most): another model's, whose ids the model can't
@@ -2774,6 +2800,9 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
     ({"rms_norm_eps": float("nan")}, "rms_norm_eps is nan, not a valid value"),
     ({"rope_theta": float("inf")}, "rope_theta is inf, not a valid value"),
     ({"head_dim": 0}, "head_dim is 0; it must be above 0"),
+    # older configs' head_dim: hidden_size // num_attention_heads, divided by neither 0 nor more
+    ({"num_attention_heads": 0}, "num_attention_heads is 0; it must be above 0"),
+    ({"hidden_size": 2}, "hidden_size is under num_attention_heads"),
     ({"num_key_value_heads": 3}, "num_attention_heads is no multiple of num_key_value_heads"),
     ({**MOE, "decoder_sparse_step": 0}, "decoder_sparse_step is 0; it must be above 0"),
     ({**MOE, "num_experts_per_tok": 9}, "num_experts_per_tok is over num_experts"),
