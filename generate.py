@@ -456,9 +456,9 @@ class Tokenizer:
         config = read_json(config_file) if config_file.is_file() else {}
         self.chat_template = config.get("chat_template")
         # Hugging Face's list of named templates, [{"name": ..., "template": ...}]: "default", the
-        # one transformers renders for messages without tools
+        # one transformers renders for messages without tools (a name as str: a list is no key)
         if isinstance(self.chat_template, list):
-            named = {t.get("name"): t.get("template")
+            named = {str(t.get("name")): t.get("template")
                      for t in self.chat_template if isinstance(t, dict)}
             self.chat_template = named.get("default")
         template_file = pathlib.Path(path, "chat_template.jinja")

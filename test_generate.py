@@ -2406,8 +2406,9 @@ def test_a_list_of_named_chat_templates_gives_its_default(tiny, tmp_path):
     want = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert G.Tokenizer(str(own), VOCAB).chat(messages) == want
     assert want.startswith("<|im_start|>user\nWhy is the sky blue?")
-    # an entry of no name and template (transformers' TypeError): passed over
-    edit_json(own / "tokenizer_config.json", chat_template=[tools, "not a template", default])
+    # entries of no name and template, or a name of no str (transformers' TypeError): passed over
+    odd = {"name": ["default"], "template": "{{ 'odd' }}"}
+    edit_json(own / "tokenizer_config.json", chat_template=[tools, "not a template", odd, default])
     assert G.Tokenizer(str(own), VOCAB).chat(messages) == want
     edit_json(own / "tokenizer_config.json", chat_template=[tools])
     with pytest.raises(ValueError, match="no default"):
