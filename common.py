@@ -6,13 +6,13 @@ Every command of ours imports it, and it imports model.py alone of ours: no comm
 another's file for these.
 """
 import argparse
-import dataclasses
 import importlib
 import json
 import os
-import pathlib
 import signal
 import sys
+from dataclasses import asdict, fields
+from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -47,7 +47,7 @@ def optional(name: str, needed_by: str = ""):
         if e.name not in (name, "triton"):
             raise
         # Ours, there but no module (a dangling link, a directory): not missing, broken
-        ours = pathlib.Path(__file__).with_name(f"{name}.py")
+        ours = Path(__file__).with_name(f"{name}.py")
         broken = e.name == name and os.path.lexists(ours)
         require(not broken, f"{ours}: unreadable: mend or remove it")
         require(not needed_by, f"{needed_by} needs {name}.py")
@@ -65,7 +65,7 @@ def positive(text: str) -> int:
 def read_json(path) -> dict:
     """A JSON object from a file; anything else (unreadable, not JSON, a list) is a UserError."""
     try:
-        value = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
     # ValueError: not UTF-8, or not JSON
     except (OSError, ValueError, RecursionError) as e:
         raise UserError(f"{path}: not a readable JSON file ({e})") from None
@@ -86,7 +86,7 @@ def list_tensors(directory, pattern: str) -> dict[str, str]:
     """Every tensor's name in the safetensors files `pattern` of `directory` -> the file that holds
     it, read from the headers alone. A name in two files is refused: which one holds the weight is
     anyone's guess."""
-    files = sorted(pathlib.Path(directory).glob(pattern))
+    files = sorted(Path(directory).glob(pattern))
     require(files, f"{directory}: no {pattern} files; download or convert it again")
     tensors = {}
     for file in files:
@@ -161,7 +161,7 @@ def model_args(config: dict) -> ModelArgs:
     require(numbers, f"config.json: YaRN parameters {yarn} are not all numbers below 2^40")
     given = {**config, "rope_theta": rope.get("rope_theta", config.get("rope_theta"))}
     given["num_experts"] = config.get("num_local_experts", config.get("num_experts"))
-    for spec in dataclasses.fields(ModelArgs):
+    for spec in fields(ModelArgs):
         name, value = spec.name, given.get(spec.name)
         if value is None and name in REQUIRED:
             raise UserError(f"config.json: {name} is missing; download or convert it again")
@@ -199,6 +199,12 @@ def model_args(config: dict) -> ModelArgs:
     return args
 
 
+def token_ids(ids, vocab: int) -> bool:
+    """Whether `ids` is a list, tuple or set of token ids of a vocabulary of `vocab`."""
+    listed = isinstance(ids, (list, tuple, set, frozenset))
+    return listed and all(type(i) is int and 0 <= i < vocab for i in ids)
+
+
 def eos_ids(config: dict, file: str, vocab: int) -> set[int]:
     """The end-of-sequence tokens of a config.json or generation_config.json: one id, or a list,
     each of the model's vocabulary of `vocab`."""
@@ -206,8 +212,7 @@ def eos_ids(config: dict, file: str, vocab: int) -> set[int]:
     ids = eos if isinstance(eos, list) else [eos]
     # null, as no key: none, as transformers reads it
     ids = [] if eos is None else ids
-    if not all(type(i) is int and 0 <= i < vocab for i in ids):
-        raise UserError(f"{file}: eos_token_id {eos!r} is not token ids in [0, {vocab})")
+    require(token_ids(ids, vocab), f"{file}: eos_token_id {eos!r} is not token ids in [0, {vocab})")
     return set(ids)
 
 
@@ -215,7 +220,7 @@ def converted_config(path) -> dict:
     """The config.json of a directory that convert_hf_checkpoint.py wrote, refused if not one."""
     named = isinstance(path, (str, os.PathLike)) and str(path).strip()
     require(named, f"{path!r} is no path: name a converted checkpoint")
-    config = pathlib.Path(path, "config.json")
+    config = Path(path, "config.json")
     require(config.is_file(), f"{path}: no converted checkpoint; the converter makes one")
     config = read_json(config)
     # Every config.json the converter writes says so; an older one's interleaved gate and up rows
@@ -225,7 +230,7 @@ def converted_config(path) -> dict:
     return config
 
 
-def snapshot_args(src: pathlib.Path) -> tuple[ModelArgs, dict]:
+def snapshot_args(src: Path) -> tuple[ModelArgs, dict]:
     """The model of a Hugging Face snapshot, refused where it isn't one we convert, and our
     config.json for it."""
     require((src / "config.json").is_file(), f"{src}: no config.json; is it a Qwen3 snapshot?")
@@ -240,8 +245,7 @@ def snapshot_args(src: pathlib.Path) -> tuple[ModelArgs, dict]:
     eos_ids(read_json(file) if file.is_file() else {}, file, args.vocab_size)
     eos = sorted(eos_ids(config, "config.json", args.vocab_size))
     # gate_up_proj's rows [gate; up], as transformers 5's (older conversions: converted_config)
-    ours = dict(dataclasses.asdict(args), eos_token_id=eos, quantization=None, gate_up="halves")
-    return args, ours
+    return args, dict(asdict(args), eos_token_id=eos, quantization=None, gate_up="halves")
 
 
 def checkpoint_tensors(model: Transformer) -> dict[str, torch.Tensor]:
@@ -256,7 +260,7 @@ def checkpoint_tensors(model: Transformer) -> dict[str, torch.Tensor]:
 def read_tokenizer(path):
     """The checkpoint's tokenizer.json, as the tokenizers library reads it."""
     import tokenizers
-    file = pathlib.Path(path, "tokenizer.json")
+    file = Path(path, "tokenizer.json")
     try:
         return tokenizers.Tokenizer.from_file(str(file))
     # The tokenizers library's own error type

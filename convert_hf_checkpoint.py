@@ -13,9 +13,9 @@ leaves nothing behind. quantize.py's own command writes through write_checkpoint
 import contextlib
 import json
 import os
-import pathlib
 import shutil
 import sys
+from pathlib import Path
 
 try:
     import torch
@@ -45,13 +45,12 @@ def hf_names(name: str, meta: torch.Tensor) -> list[str]:
     # "layers.0.self_attn.qkv_proj.weight" -> "model.layers.0.self_attn", "qkv_proj"; experts:
     # "layers.0.mlp.experts.down_proj" -> "model.layers.0.mlp.experts", "down_proj"
     module, projection = f"model.{name}".removesuffix(".weight").rsplit(".", 1)
-    experts = len(meta) if meta.dim() == 3 else 0
-    owners = [f"{module}.{expert}" for expert in range(experts)] or [module]
+    owners = [f"{module}.{expert}" for expert in range(len(meta))] if meta.dim() == 3 else [module]
     parts = FUSED.get(projection, [projection])
     return [f"{owner}.{part}.weight" for owner in owners for part in parts]
 
 
-def joined(src: pathlib.Path, name: str, files: dict, meta) -> torch.Tensor:
+def joined(src: Path, name: str, files: dict, meta) -> torch.Tensor:
     """Our tensor `name`, of meta's shape, from its Hugging Face parts (hf_names) in `files`, the
     snapshot's tensors."""
     parts = hf_names(name, meta)
@@ -80,7 +79,7 @@ def convert(src: str, out: str, quantization: str | None = None, shard_bytes: in
     with `quantization` ("int8", or "int4" in groups of `group_size`, 128 by default), quantized by
     quantize.py as read."""
     require(str(src).strip(), "--checkpoint-dir is empty: name a snapshot")
-    src = pathlib.Path(src)
+    src = Path(src)
     args, config = snapshot_args(src)
     require(quantization or group_size is None, "--group-size goes with --quantize int4")
     with torch.device("meta"):
@@ -103,7 +102,7 @@ def convert(src: str, out: str, quantization: str | None = None, shard_bytes: in
     write_checkpoint(out, pairs, count, config, src, shard_bytes)
 
 
-def write_checkpoint(out: str, tensors, count: int, config: dict, src: pathlib.Path,
+def write_checkpoint(out: str, tensors, count: int, config: dict, src: Path,
                      shard_bytes: int = 2 << 30) -> None:
     """Writes a converted checkpoint into the new directory `out`: tensors, an iterator of `count`
     (name, tensor) pairs, in shards of about shard_bytes; config.json;
@@ -111,7 +110,7 @@ def write_checkpoint(out: str, tensors, count: int, config: dict, src: pathlib.P
     that exists is replaced, and an error or a signal leaves nothing behind."""
     require(str(out).strip(), "--output is empty: name a new directory")
     # "." has no name to put beside it
-    out = pathlib.Path(os.path.abspath(out))
+    out = Path(os.path.abspath(out))
     # the source, ".", an old conversion, an empty directory, a link (dangling too)...
     require(not os.path.lexists(out), f"{out} exists: choose another --output (it stays)")
     # Hidden, beside it: a second conversion to `out` finds it and stops before any work

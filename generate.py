@@ -20,7 +20,7 @@ try:
 
     from common import (ArgumentParser, UserError, checkpoint_tensors, converted_config, eos_ids,
                         list_tensors, model_args, optional, positive, read_json, read_tokenizer,
-                        require, run_command, show_progress)
+                        require, run_command, show_progress, token_ids)
     from model import Experts, Transformer
     # Optional files: quantized checkpoints, the Triton fast path (without it, or Triton,
     # PyTorch's ops run everywhere), tensor parallelism under torchrun
@@ -426,12 +426,6 @@ class Generator:
                 # The rows are read once more, then returned
                 stats.interrupted = True
         return new_tokens, stats
-
-
-def token_ids(ids, vocab: int) -> bool:
-    """Whether `ids` is a list, tuple or set of token ids of a vocabulary of `vocab`."""
-    listed = isinstance(ids, (list, tuple, set, frozenset))
-    return listed and all(type(token) is int and 0 <= token < vocab for token in ids)
 
 
 def check_count(name: str, value, least: int = 1) -> None:
