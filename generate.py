@@ -579,7 +579,12 @@ def load(path: str, device="cpu", dtype: torch.dtype | None = None, split=None) 
     # Each of the vocabulary: one out of it would blame the stop ids of a user who gave none
     stop_ids = eos_ids(generation_config, file, model.args.vocab_size)
     stop_ids |= eos_ids(converted_config(path), "config.json", model.args.vocab_size)
-    return Checkpoint(model, Tokenizer(path, model.args.vocab_size), sampling, stop_ids)
+    tokenizer = Tokenizer(path, model.args.vocab_size)
+    # A stop id that decodes to nothing, no token: another model's tokenizer.json, of fewer ids
+    # (the size check allows a model's padding)
+    unknown = sorted(i for i in stop_ids if not tokenizer.decode([i]))
+    require(not unknown, f"{path}: tokenizer.json lacks stop ids {unknown}: another model's")
+    return Checkpoint(model, tokenizer, sampling, stop_ids)
 
 
 class TextStream:

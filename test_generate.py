@@ -89,7 +89,7 @@ def hf_checkpoint(path, *, hidden=64, heads=4, kv_heads=2, head_dim=16, layers=2
                   num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                   vocab_size=vocab, max_position_embeddings=2048,
                   rope_theta=1e4 if old_rope else 1e6, rms_norm_eps=1e-6,
-                  tie_word_embeddings=tied, eos_token_id=vocab - 1)
+                  tie_word_embeddings=tied, eos_token_id=2)  # <|im_end|>, of write_tokenizer
     if rope:
         common["rope_parameters"] = rope
     torch.manual_seed(seed)
@@ -2420,8 +2420,9 @@ def test_a_list_of_named_chat_templates_gives_its_default(tiny, tmp_path):
 
 def test_a_tokenizer_of_another_model_is_refused(tiny, tmp_path):
     """A tokenizer.json of more ids than the model's, or of fewer by a thousand or more (a model
-    pads its tokenizer's ids by a few hundred at most): another model's, whose ids the model can't
-    embed or whose tokens the model's ids would decode to nothing."""
+    pads its tokenizer's ids by a few hundred at most), or without a token for a stop id: another
+    model's, whose ids the model can't embed or whose tokens the model's ids would decode to
+    nothing."""
     from tokenizers import Tokenizer, models
     bigger = tmp_path / "bigger"
     shutil.copytree(tiny, bigger)
@@ -2436,6 +2437,18 @@ def test_a_tokenizer_of_another_model_is_refused(tiny, tmp_path):
             G.load(str(path))
         one_line_error(cli("--device", "cpu", "--checkpoint", str(path), "--prompt", "hi"),
                        message)
+    # Fewer ids by less than a thousand: a stop id that is no token tells
+    fewer = tmp_path / "fewer"
+    shutil.copytree(tiny, fewer)
+    last = size - 1  # </think>, the tokenizer's last token
+    edit_json(fewer / "config.json", eos_token_id=last)
+    assert last in G.load(str(fewer)).stop_ids
+    words = {f"w{i}": i for i in range(last)}
+    Tokenizer(models.WordLevel(words, unk_token="w0")).save(str(fewer / "tokenizer.json"))
+    message = f"tokenizer.json lacks stop ids [{last}]: another model's"
+    with pytest.raises(UserError, match=re.escape(message)):
+        G.load(str(fewer))
+    one_line_error(cli("--device", "cpu", "--checkpoint", str(fewer), "--prompt", "hi"), message)
 
 
 def test_convert_copies_the_chat_template_file(tmp_path):
@@ -2658,15 +2671,16 @@ def test_cli_invalid_utf8_prompt_is_one_line(tiny):
 
 
 def test_eos_comes_from_config_json_too(tiny, tmp_path):
-    """Without generation_config.json, generation stops on config.json's eos_token_id (vocab - 1
-    here)."""
+    """Without generation_config.json, generation stops on config.json's eos_token_id; with it, on
+    both files' (here config.json's <|im_start|>, 1, and generation_config.json's two)."""
     path = tmp_path / "no-genconfig"
     shutil.copytree(tiny, path)
+    edit_json(path / "config.json", eos_token_id=1)
+    eos = json.loads((path / "generation_config.json").read_text())["eos_token_id"]
+    assert G.load(str(path)).stop_ids == {1, *eos}
     (path / "generation_config.json").unlink()
     checkpoint = G.load(str(path))
-    assert checkpoint.stop_ids == {VOCAB - 1} and checkpoint.sampling == GREEDY
-    eos = json.load(open(os.path.join(tiny, "generation_config.json")))["eos_token_id"]
-    assert G.load(tiny).stop_ids == {VOCAB - 1, *eos}
+    assert checkpoint.stop_ids == {1} and checkpoint.sampling == GREEDY
 
 
 def test_report_says_what_a_user_can_act_on():
