@@ -156,9 +156,9 @@ def group_size_of(config: dict) -> int | None:
         return None
     size = config.get("group_size")
     common.require(size is not None, "config.json: int4 without its group_size: quantize the "
-                    "bf16 checkpoint again")
+                   "bf16 checkpoint again")
     common.require(is_group_size(size), f"config.json: int4's group_size {size!r} is no power of "
-                    "two of at least 8: quantize the bf16 checkpoint again")
+                   "two of at least 8: quantize the bf16 checkpoint again")
     return size
 
 
@@ -179,7 +179,7 @@ def swap_in(model: Transformer, config: dict) -> None:
         """Refuses the weight `name` unless its input columns are whole groups."""
         if group_size and columns % group_size:
             raise common.UserError(f"{name}: its {columns} input columns are no multiple of the "
-                                    f"group size {group_size} (--group-size sets it)")
+                                   f"group size {group_size} (--group-size sets it)")
     for path, parent in list(model.named_modules()):
         for name, child in parent.named_children():
             where = f"{path}.{name}".lstrip(".")
@@ -253,7 +253,7 @@ def quantize_checkpoint(path: str, out: str, mode: str, group_size: int | None =
     # null (or any false value): not quantized, as generate.py reads it
     if config.get("quantization"):
         raise common.UserError(f"{path} is already {config['quantization']}: quantize its "
-                                "bf16 conversion")
+                               "bf16 conversion")
     with torch.device("meta"):
         model = Transformer(common.model_args(config))
     files = common.list_tensors(path, "model*.safetensors")
